@@ -1,0 +1,25 @@
+# make demo: set up (if needed) and run the default pipeline.  make test: set up, then the whole suite.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-stamp
+DEMO   ?= graphs/tiny_grpo_cpu.yaml
+
+.PHONY: demo test setup validate bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml scripts/setup_env.sh
+	VENV=$(VENV) bash scripts/setup_env.sh
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m siirl_dag.main validate $(DEMO)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) scripts/bench_validate.py
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,47 @@
+"""actor_update: PPO-clip policy update (GRPO uses it with group advantages) on a Megatron mesh."""
+
+from siirl_dag.errors import Problem
+from siirl_dag.registry import node_kind
+
+_BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages", "old_logprobs")
+
+
+def _consumes(params):
+    return _BASE + (("ref_logprobs",) if params["use_kl_loss"] else ())
+
+
+def _check(node, pipeline):
+    """Mini batch (prompts) must split the step's prompts, and its samples the ranks x micro batches."""
+    prompts = pipeline.data.train_batch_size
+    mini = node.params["mini_batch_size"]
+    n = pipeline.samples_per_prompt(node.id)
+    path = pipeline.node_path(node.id) + ("params", "mini_batch_size")
+    if prompts % mini:
+        return [Problem(path, f"mini_batch_size {mini} does not divide data.train_batch_size {prompts}; "
+                              f"expected a divisor of {prompts}")]
+    dp, micro = pipeline.data_parallel_size(node.id), pipeline.micro_batch_size(node.id)
+    if micro and (mini * n) % (dp * micro):
+        return [Problem(path, f"a mini batch holds {mini} prompts x {n} samples = {mini * n} samples, which do not "
+                              f"split into {dp} data-parallel ranks x micro_batch_size {micro}; expected mini_batch_size "
+                              f"x n to be a multiple of {dp * micro}")]
+    return []
+
+
+@node_kind("actor_update", consumes=_consumes, produces=(), strategies=("megatron",), params_schema="actor_update",
+           trains=True, check=_check)
+def actor_update(batch, ctx):
+    """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus)."""
+    from functools import partial
+
+    from nodes.algos.losses import ppo_actor_loss
+
+    p = ctx.params
+    loss_fn = partial(ppo_actor_loss, clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
+                      clip_ratio_c=p["clip_ratio_c"], loss_agg_mode=p["loss_agg_mode"],
+                      entropy_coeff=p["entropy_coeff"], use_kl_loss=p["use_kl_loss"],
+                      kl_loss_coef=p["kl_loss_coef"], kl_loss_type=p["kl_loss_type"])
+    n = len(batch) // ctx.prompts_in(batch)
+    metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * n // ctx.dp_size,
+                               epochs=p["epochs"], temperature=p["temperature"])
+    ctx.metrics.update(metrics)
+    return {}

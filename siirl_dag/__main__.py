@@ -1,0 +1,5 @@
+import sys
+
+from siirl_dag.main import main
+
+sys.exit(main())

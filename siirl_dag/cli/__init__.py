@@ -1,0 +1,1 @@
+"""One module per sub-command of `python -m siirl_dag.main`; each has main(args) -> exit status."""

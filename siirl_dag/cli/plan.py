@@ -1,0 +1,47 @@
+"""`plan`: where every rank of every mesh runs (or, with --alloc, a parsed allocation string)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from siirl_dag.config import load_pipeline
+from siirl_dag.errors import ConfigError
+from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
+
+
+def _alloc(spec: str, as_json: bool) -> int:
+    components = parse_allocation(spec, ("--alloc",))
+    result = {"components": [component_to_json(c) for c in components], "world_size": allocation_world_size(components)}
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        for c in result["components"]:
+            print(", ".join(f"{k}={v}" for k, v in c.items()))
+        print(f"world_size={result['world_size']}")
+    return 0
+
+
+def main(args) -> int:
+    if args.alloc:
+        if args.pipeline:
+            raise ConfigError("give either a pipeline or --alloc, not both", ("--alloc",))
+        return _alloc(args.alloc, args.json)
+    if not args.pipeline:
+        raise ConfigError("expected a pipeline YAML file or --alloc SPEC", ("pipeline",))
+    pipe = load_pipeline(args.pipeline, args.overrides)
+    if args.json:
+        print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
+                          "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh} for n in pipe.nodes.values()},
+                          "warnings": [w.to_json() for w in pipe.warnings]}, indent=2))
+        return 0
+    for w in pipe.warnings:
+        print(str(w), file=sys.stderr)
+    print(f"pipeline '{pipe.name}': {pipe.cluster.describe()}")
+    for n in pipe.nodes.values():
+        where = f"{n.strategy} on mesh '{n.mesh}' ({pipe.meshes[n.mesh].alloc})" if n.strategy else "cpu (driver side)"
+        print(f"  {n.id:<16} {n.kind:<14} {where}")
+    if pipe.plan:
+        print()
+        print(pipe.plan.table())
+    return 0

@@ -1,0 +1,249 @@
+"""`load_pipeline`: YAML + overrides -> a checked, typed, placed `Pipeline`, or every problem at once.
+
+Order: parse (line numbers kept) -> overrides -> ROLL spellings -> JSON Schema (defaults filled) ->
+kinds, strategies and their schemas -> graph -> placement -> batch arithmetic. Later stages run only
+when the earlier ones leave data of the expected shape, so one mistake yields one message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from siirl_dag.config import roll_compat, schema
+from siirl_dag.config.overrides import OVERRIDE_FILE, apply_overrides
+from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
+from siirl_dag.config.yaml_loader import load_yaml
+from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
+from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation, place
+from siirl_dag.registry import STRATEGIES, NodeKind, resolve_kind
+
+
+def _locate(problems: list[Problem], file: str, positions: dict, touched: dict) -> list[Problem]:
+    """Attach FILE:LINE:COL (or the override that set the key) from the longest known prefix."""
+    for p in problems:
+        if p.file is not None and p.file != file:
+            continue
+        p.file = file
+        for cut in range(len(p.path), -1, -1):
+            prefix = tuple(p.path[:cut])
+            if prefix in touched:
+                p.file, p.line, p.col = OVERRIDE_FILE, None, None
+                p.message = f"{p.message} (set by override '{touched[prefix]}')"
+                break
+            if prefix in positions:
+                p.line, p.col = positions[prefix]
+                break
+    return problems
+
+
+def _errors(problems: list[Problem]) -> list[Problem]:
+    return [p for p in problems if p.severity == "error"]
+
+
+def _read_meshes(raw, problems: list[Problem]) -> tuple[dict[str, MeshSpec], dict]:
+    """Mesh specs plus their parsed components; a one-string `meshes` is split into named meshes."""
+    specs, components = {}, {}
+    if isinstance(raw, str):
+        try:
+            parsed = parse_allocation(raw, ("meshes",))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            return specs, components
+        for i, c in enumerate(parsed):
+            name = c.name or f"mesh{i}"
+            specs[name] = MeshSpec(name, c.text or raw, None, c.colocated_with)
+            components[name] = c
+        return specs, components
+    for name, mesh in raw.items():
+        mesh = {"alloc": mesh} if isinstance(mesh, str) else mesh
+        path = ("meshes", name) + (("alloc",) if "devices" in mesh or "colocate_with" in mesh else ())
+        try:
+            parsed = parse_allocation(mesh["alloc"], path)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        if len(parsed) != 1:
+            problems.append(Problem(path, f"mesh '{name}' has {len(parsed)} components; expected one (name each "
+                                          f"component of a multi-part string by writing `meshes:` as that one string)"))
+            continue
+        specs[name] = MeshSpec(name, mesh["alloc"], tuple(mesh["devices"]) if "devices" in mesh else None,
+                               mesh.get("colocate_with"), mesh.get("allow_tp_across_machines", False))
+        components[name] = parsed[0]
+    for name, spec in specs.items():
+        if spec.colocate_with and spec.colocate_with not in specs:
+            problems.append(Problem(("meshes", name, "colocate_with"), f"unknown mesh '{spec.colocate_with}'; "
+                                    f"expected one of: {', '.join(specs)}"))
+    return specs, components
+
+
+def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, problems: list[Problem]) -> NodeKind | None:
+    """Resolve the kind, check strategy/mesh/model binding, validate params and options in place."""
+    base = ("nodes", i)
+    try:
+        kind = resolve_kind(raw["kind"])
+    except LookupError as exc:
+        problems.append(Problem(base + ("kind",), str(exc)))
+        return None
+    if kind.params_schema:
+        problems += schema.validate(raw["params"], f"nodes/{kind.params_schema}.schema.json", base + ("params",))
+    if not kind.is_model_node:
+        for key in ("strategy", "mesh", "model", "options", "weights_from"):
+            if key in raw:
+                problems.append(Problem(base + (key,), f"kind '{kind.name}' is a compute node and runs on CPU beside the "
+                                        f"driver; it takes no '{key}'"))
+    else:
+        strategy = raw.setdefault("strategy", kind.strategies[0])
+        if strategy not in kind.strategies:
+            problems.append(Problem(base + ("strategy",), f"kind '{kind.name}' cannot use strategy '{strategy}'; "
+                                    f"expected one of: {', '.join(kind.strategies)}"))
+        elif strategy not in STRATEGIES:
+            problems.append(Problem(base + ("strategy",), f"no strategy '{strategy}'; expected one of: {', '.join(STRATEGIES)}"))
+        else:
+            raw.setdefault("options", {})
+            options_schema = f"strategies/{strategy}.schema.json"
+            if schema.schema_exists(options_schema):
+                problems += schema.validate(raw["options"], options_schema, base + ("options",))
+        for key, pool in (("mesh", meshes), ("model", doc["models"])):
+            if key not in raw:
+                problems.append(Problem(base, f"model node '{raw['id']}' needs '{key}'; expected one of: {', '.join(pool)}"))
+            elif raw[key] not in pool:
+                problems.append(Problem(base + (key,), f"unknown {key} '{raw[key]}'; expected one of: {', '.join(pool)}"))
+        if raw.get("mesh") in components and strategy in kind.strategies:
+            comp = components[raw["mesh"]]
+            try:
+                check_backend_supported(comp, path=base + ("mesh",))
+                if comp.backend != strategy:
+                    raise ConfigError(f"mesh '{raw['mesh']}' is a {comp.backend} mesh but the node uses strategy "
+                                      f"'{strategy}'; expected a {strategy}:... allocation", base + ("mesh",))
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+    if not kind.name.count(":") and ("consumes" in raw or "produces" in raw):
+        problems.append(Problem(base, f"'consumes'/'produces' are declared by kind '{kind.name}' itself; "
+                                      "they may only be given for module:function kinds"))
+    return kind
+
+
+def _user_contract(kind: NodeKind, raw: dict) -> NodeKind:
+    """A module:function kind takes its data contract from the node's consumes/produces."""
+    if ":" in kind.name and ("consumes" in raw or "produces" in raw):
+        from dataclasses import replace
+
+        return replace(kind, consumes=tuple(raw.get("consumes", kind.consumed({}))),
+                       produces=tuple(raw.get("produces", kind.produced({}))))
+    return kind
+
+
+def _check_weights_from(nodes: dict[str, NodeSpec], kinds: dict[str, NodeKind]) -> list[Problem]:
+    problems = []
+    for node in nodes.values():
+        src = node.weights_from
+        if src is None:
+            continue
+        path = ("nodes", node.index, "weights_from")
+        trainers = [n.id for n in nodes.values() if kinds[n.id].trains and n.model == node.model]
+        if src not in nodes or not kinds[src].trains or nodes[src].model != node.model:
+            why = ("no such node" if src not in nodes else f"'{src}' does not train" if not kinds[src].trains
+                   else f"'{src}' trains model '{nodes[src].model}', not '{node.model}'")
+            problems.append(Problem(path, f"weights_from '{src}': {why}; expected a training node of model "
+                                          f"'{node.model}'" + (f" ({', '.join(trainers)})" if trainers else "")))
+    return problems
+
+
+def _mesh_requests(pipe: Pipeline, components: dict) -> list[MeshRequest]:
+    requests = []
+    for name, spec in pipe.meshes.items():
+        bound = [n for n in pipe.nodes.values() if n.mesh == name]
+        options: dict = {}
+        for n in bound:
+            options.update(n.options)
+        model_info = None
+        for n in bound:
+            cfg = pipe.models[n.model].hf_config()
+            if cfg:
+                model_info = {"num_layers": cfg.get("num_hidden_layers"),
+                              "num_experts": cfg.get("num_experts") or cfg.get("num_local_experts")}
+        path = ("meshes", name) if name in (pipe.meshes or {}) else ("meshes",)
+        requests.append(MeshRequest(name, [components[name]], list(spec.devices) if spec.devices else None,
+                                    spec.colocate_with, options, model_info, spec.allow_tp_across_machines,
+                                    path=path, options_path=("nodes", bound[0].index, "options") if bound else None))
+    return requests
+
+
+def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
+    problems = []
+    used = {n.model for n in pipe.nodes.values() if n.model}
+    for name in sorted(used):
+        spec = pipe.models[name]
+        if not (Path(spec.path) / "config.json").is_file():
+            problems.append(Problem(("models", name, "path"), f"model directory '{spec.path}' not found (no config.json); "
+                                    "expected a local Hugging Face model folder", severity="error" if for_run else "warning"))
+    return problems
+
+
+def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool = False) -> Pipeline:
+    """Read, check and place a pipeline. Raises ConfigError with every problem, located."""
+    file = str(path)
+    doc, positions = load_yaml(path)
+    touched: dict = {}
+    located = lambda probs: _locate(probs, file, positions, touched)  # noqa: E731
+    try:
+        touched = apply_overrides(doc, list(overrides), positions) if isinstance(doc, dict) else {}
+    except ConfigError as exc:
+        raise ConfigError(exc.problems) from None
+    if not isinstance(doc, dict):
+        raise ConfigError(located([Problem((), "the document is not a mapping; expected keys name, cluster, models, data, nodes")]))
+
+    problems = roll_compat.normalize(doc, positions)
+    problems += schema.validate(doc, "pipeline.schema.json")
+    if _errors(problems):
+        raise ConfigError(located(problems))
+
+    meshes, components = _read_meshes(doc["meshes"], problems)
+    kinds: dict[str, NodeKind] = {}
+    for i, raw in enumerate(doc["nodes"]):
+        kind = _read_node(i, raw, doc, meshes, components, problems)
+        if kind is not None:
+            kinds[raw["id"]] = _user_contract(kind, raw)
+    graph, graph_problems = build_graph(doc["nodes"])
+    problems += graph_problems
+    if not graph_problems:
+        problems += check_structure(graph)
+    if _errors(problems):
+        raise ConfigError(located(problems))
+
+    raw_nodes = {raw["id"]: (i, raw) for i, raw in enumerate(doc["nodes"])}
+    nodes = {}
+    for node_id in topological_order(graph):
+        i, raw = raw_nodes[node_id]
+        nodes[node_id] = NodeSpec(node_id, raw["kind"], i, tuple(raw["deps"]), raw.get("strategy"), raw.get("mesh"),
+                                  raw.get("model"), raw.get("options", {}), raw["params"], raw.get("weights_from"),
+                                  raw["retry_limit"])
+    data = doc["data"]
+    files = lambda v: tuple([v] if isinstance(v, str) else v or [])  # noqa: E731
+    pipe = Pipeline(
+        name=doc["name"], file=file, cluster=ClusterSpec(**doc["cluster"]),
+        models={k: ModelSpec(k, **v) for k, v in doc["models"].items()},
+        data=DataSpec(**{**data, "train_files": files(data["train_files"]), "val_files": files(data.get("val_files"))}),
+        meshes=meshes, nodes=nodes, kinds={k: kinds[k] for k in nodes}, graph=graph,
+        trainer=TrainerSpec(**{**doc["trainer"], "logger": tuple(doc["trainer"]["logger"])}),
+        runtime=RuntimeSpec(**doc["runtime"]),
+    )
+    problems += check_data_flow(graph, pipe.consumes, pipe.produces)
+    problems += _check_weights_from(nodes, pipe.kinds)
+    if not _errors(problems) and meshes:
+        try:
+            pipe.plan = place(pipe.cluster, _mesh_requests(pipe, components))
+            problems += pipe.plan.warnings
+        except ConfigError as exc:
+            problems += exc.problems
+    if not _errors(problems):
+        for node in nodes.values():
+            if pipe.kinds[node.id].check:
+                problems += pipe.kinds[node.id].check(node, pipe)
+    problems += _model_problems(pipe, for_run)
+    located(problems)
+    if _errors(problems):
+        raise ConfigError(problems)
+    pipe.warnings = problems
+    return pipe

@@ -1,0 +1,167 @@
+"""The typed pipeline: what `load_pipeline` returns once everything is checked.
+
+Everything downstream (placement, runtime, visualize) reads these objects and trusts them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from siirl_dag.errors import Problem
+from siirl_dag.placement.plan import ClusterSpec, Plan
+from siirl_dag.registry import NodeKind
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str
+    tokenizer: str | None
+    dtype: str
+    trust_remote_code: bool
+    override_config: dict
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    def hf_config(self) -> dict | None:
+        """The HF config.json merged with override_config, or None when the model is not on disk."""
+        cfg_file = Path(self.path) / "config.json"
+        base = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+        if base is None and not self.override_config:
+            return None
+        return {**(base or {}), **self.override_config}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    prompt_key: str
+    train_batch_size: int
+    val_batch_size: int | None
+    max_prompt_length: int
+    max_response_length: int
+    shuffle: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    name: str
+    alloc: str
+    devices: tuple[int, ...] | None = None
+    colocate_with: str | None = None
+    allow_tp_across_machines: bool = False
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    id: str
+    kind: str
+    index: int  # position in the YAML list
+    deps: tuple[str, ...] = ()
+    strategy: str | None = None
+    mesh: str | None = None
+    model: str | None = None
+    options: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    weights_from: str | None = None
+    retry_limit: int = 0
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    total_epochs: int
+    total_steps: int | None
+    seed: int
+    val_before_train: bool
+    test_freq: int
+    save_freq: int
+    max_ckpt_to_keep: int | None
+    resume_mode: str
+    resume_from_path: str | None
+    default_local_dir: str | None
+    logger: tuple[str, ...]
+    project_name: str | None
+    experiment_name: str | None
+    tensorboard_dir: str | None
+    export_hf: bool
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    backend: str
+    address: str | None
+    staleness: int
+    weight_sync_bucket_mb: float
+    cpus_per_rank: float
+
+
+@dataclass
+class Pipeline:
+    name: str
+    file: str
+    cluster: ClusterSpec
+    models: dict[str, ModelSpec]
+    data: DataSpec
+    meshes: dict[str, MeshSpec]
+    nodes: dict[str, NodeSpec]  # in topological order
+    kinds: dict[str, NodeKind]  # node id -> its kind
+    graph: nx.DiGraph
+    trainer: TrainerSpec
+    runtime: RuntimeSpec
+    plan: Plan | None = None
+    warnings: list[Problem] = field(default_factory=list)
+
+    def node_path(self, node_id: str) -> tuple:
+        return ("nodes", self.nodes[node_id].index)
+
+    def consumes(self, node_id: str) -> tuple[str, ...]:
+        return self.kinds[node_id].consumed(self.nodes[node_id].params)
+
+    def produces(self, node_id: str) -> tuple[str, ...]:
+        return self.kinds[node_id].produced(self.nodes[node_id].params)
+
+    def samples_per_prompt(self, node_id: str) -> int:
+        """Rows per prompt in the batch this node sees: the product of upstream rollouts' n."""
+        n = 1
+        for up in nx.ancestors(self.graph, node_id):
+            if self.nodes[up].strategy == "vllm":
+                n *= int(self.nodes[up].options.get("n", 1))
+        return n
+
+    def mesh_sizes(self, node_id: str) -> dict[str, int] | None:
+        mesh = self.nodes[node_id].mesh
+        if mesh is None or self.plan is None or mesh not in self.plan.meshes:
+            return None
+        return self.plan.meshes[mesh].sizes
+
+    def data_parallel_size(self, node_id: str) -> int:
+        sizes = self.mesh_sizes(node_id)
+        return sizes["dp"] if sizes else 1
+
+    def micro_batch_size(self, node_id: str) -> int | None:
+        return self.nodes[node_id].options.get("micro_batch_size")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "file": self.file,
+            "cluster": {"nodes": self.cluster.nodes, "devices_per_node": self.cluster.devices_per_node,
+                        "device": self.cluster.device},
+            "meshes": {m.name: {"alloc": m.alloc, "devices": list(m.devices) if m.devices else None,
+                                "colocate_with": m.colocate_with} for m in self.meshes.values()},
+            "nodes": [{"id": n.id, "kind": n.kind, "deps": list(n.deps), "strategy": n.strategy, "mesh": n.mesh,
+                       "model": n.model, "weights_from": n.weights_from, "consumes": list(self.consumes(n.id)),
+                       "produces": list(self.produces(n.id)), "options": n.options, "params": n.params}
+                      for n in self.nodes.values()],
+            "plan": self.plan.to_json() if self.plan else None,
+            "warnings": [w.to_json() for w in self.warnings],
+        }

@@ -1,0 +1,87 @@
+"""The one entry point: `python -m siirl_dag.main [run|validate|plan|visualize] PIPELINE.yaml [key=value ...]`.
+
+Bad input of any kind prints every problem as FILE:LINE:COL: key: what; expected, and exits 2
+without a traceback; nothing has been started by then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from siirl_dag.errors import ConfigError
+
+COMMANDS = ("run", "validate", "plan", "visualize")
+
+EPILOG = """examples:
+  python -m siirl_dag.main graphs/tiny_grpo_cpu.yaml trainer.total_steps=5      run a pipeline
+  python -m siirl_dag.main validate graphs/qwen3_30b_a3b_moe.yaml --json        check it, machine-readable
+  python -m siirl_dag.main plan graphs/qwen3_8b_grpo_megatron.yaml              where every rank sits
+  python -m siirl_dag.main plan --alloc 'vllm:d4t2+megatron:d2p2t2' --json     parse an allocation string
+  python -m siirl_dag.main visualize graphs/tiny_grpo_cpu.yaml -o dag.svg       draw it (.svg .png .dot .mmd .html)
+
+overrides: key.path=value (value typed as YAML), applied before validation; nodes by id:
+  nodes.actor_update.params.mini_batch_size=16   data.train_batch_size=64   runtime.backend=local
+exit status: 0 ok, 1 a run failed, 2 bad input (nothing started)."""
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument("pipeline", nargs=None if required else "?", help="pipeline YAML file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides applied before validation")
+    p.add_argument("--json", action="store_true", help="print a machine-readable result")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m siirl_dag.main", description=__doc__.split("\n\n")[0],
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{run,validate,plan,visualize}")
+    run = sub.add_parser("run", help="run the pipeline (the default command)")
+    _add_pipeline_args(run)
+    run.add_argument("--address", help="attach to a running Ray cluster instead of starting one")
+    validate = sub.add_parser("validate", help="check a pipeline and print its summary or every problem")
+    _add_pipeline_args(validate)
+    plan = sub.add_parser("plan", help="show where every rank of every mesh runs")
+    _add_pipeline_args(plan, required=False)
+    plan.add_argument("--alloc", help="parse an allocation string instead of a pipeline")
+    vis = sub.add_parser("visualize", help="draw the pipeline (.svg .png .dot .mmd .html)")
+    _add_pipeline_args(vis)
+    vis.add_argument("-o", "--output", required=True, help="output file; the format follows the extension")
+    vis.add_argument("--view", choices=("graph", "placement"), default="graph")
+    return parser
+
+
+def _report(exc: ConfigError, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"valid": False, "errors": [p.to_json() for p in exc.problems]}, indent=2))
+    else:
+        errors = [p for p in exc.problems if p.severity == "error"]
+        for p in exc.problems:
+            print(str(p), file=sys.stderr)
+        print(f"{len(errors)} error(s); nothing was started.", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        argv.insert(0, "run")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from importlib import import_module
+
+    command = import_module(f"siirl_dag.cli.{args.command}")
+    try:
+        return command.main(args)
+    except ConfigError as exc:
+        return _report(exc, getattr(args, "json", False))
+    except KeyboardInterrupt:
+        print("interrupted; stopped cleanly.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

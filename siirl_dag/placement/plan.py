@@ -1,0 +1,114 @@
+"""What placement produces: every mesh's devices and, per rank, its machine, device and coordinates.
+
+The runtime starts one worker per rank from this; `siirl_dag plan` prints `Plan.table()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from siirl_dag.errors import Problem
+from siirl_dag.placement.allocation import Component, component_to_json
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Identical machines; global device index = machine * devices_per_node + local index."""
+
+    nodes: int
+    devices_per_node: int
+    device: str = "cuda"  # "cuda" or "cpu"
+
+    @property
+    def total(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        return f"{self.nodes} machine(s) x {self.devices_per_node} {self.device} device(s) = {self.total}"
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    rank: int
+    device: int  # global index
+    machine: int
+    local_device: int
+    coords: dict[str, int]  # megatron grids (tp, cp, dp, pp, etp, ep, edp) or vLLM (dp, tp, pp)
+
+
+@dataclass
+class MeshPlan:
+    name: str
+    component: Component
+    devices: list[int]  # devices[rank]
+    ranks: list[RankSlot]
+    colocated_with: str | None = None  # the anchor mesh whose devices this one shares
+
+    @property
+    def backend(self) -> str:
+        return self.component.backend
+
+    @property
+    def sizes(self) -> dict:
+        return component_to_json(self.component)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "sizes": self.sizes,
+            "colocated_with": self.colocated_with,
+            "devices": list(self.devices),
+            "ranks": [
+                {"rank": r.rank, "machine": r.machine, "local_device": r.local_device, "device": r.device,
+                 "coords": dict(r.coords)}
+                for r in self.ranks
+            ],
+        }
+
+
+@dataclass
+class Plan:
+    cluster: ClusterSpec
+    meshes: dict[str, MeshPlan]
+    warnings: list[Problem] = field(default_factory=list)
+
+    @property
+    def devices_used(self) -> int:
+        return len({d for m in self.meshes.values() for d in m.devices})
+
+    def to_json(self) -> dict:
+        return {
+            "cluster": {"nodes": self.cluster.nodes, "devices_per_node": self.cluster.devices_per_node,
+                        "device": self.cluster.device},
+            "devices_used": self.devices_used,
+            "meshes": [m.to_json() for m in self.meshes.values()],
+            "warnings": [w.to_json() for w in self.warnings],
+        }
+
+    def table(self) -> str:
+        """Machines as rows, local devices as columns; a cell lists `mesh:rank` of everyone there."""
+        c = self.cluster
+        cells: dict[int, list[str]] = {}
+        for m in self.meshes.values():
+            for r in m.ranks:
+                cells.setdefault(r.device, []).append(f"{m.name}:{r.rank}")
+        texts = [" ".join(cells.get(d, ["."])) for d in range(c.total)]
+        width = max([len(t) for t in texts] + [len(str(c.devices_per_node - 1))])
+        head_w = max(len("machine"), len(str(c.nodes - 1)))
+        lines = [f"cluster: {c.describe()}, {self.devices_used} used"]
+        for m in self.meshes.values():
+            s = m.component
+            sizes = f"d{s.dp} t{s.tp} p{s.pp} c{s.cp} e{s.ep} etp{s.etp} edp{s.edp}"
+            shared = f", on the devices of {m.colocated_with}" if m.colocated_with else ""
+            lines.append(f"  {m.name}: {s.backend} {sizes}, {s.world_size} device(s){shared}")
+        lines.append("")
+        header = " ".join(str(i).ljust(width) for i in range(c.devices_per_node))
+        lines.append(("machine".rjust(head_w) + " | " + header).rstrip())
+        lines.append("-" * (head_w + 1) + "+" + "-" * ((width + 1) * c.devices_per_node))
+        for node in range(c.nodes):
+            row = texts[node * c.devices_per_node:(node + 1) * c.devices_per_node]
+            lines.append(str(node).rjust(head_w) + " | " + " ".join(t.ljust(width) for t in row).rstrip())
+        for w in self.warnings:
+            lines.append(str(w))
+        return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Checks of a mesh's strategy options against its allocation string and the device kind.
+
+Each is a rule megatron-core (or vLLM) would enforce deep inside worker start-up, after devices
+were reserved and processes spawned; here they fail at the door, all at once, with the YAML key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from siirl_dag.errors import PathPart, Problem
+from siirl_dag.placement.allocation import Component
+
+# option key -> component attribute it must agree with, per backend
+OPTION_SIZES = {
+    "megatron": {
+        "tensor_model_parallel_size": "tp",
+        "pipeline_model_parallel_size": "pp",
+        "context_parallel_size": "cp",
+        "expert_model_parallel_size": "ep",
+        "expert_tensor_parallel_size": "etp",
+    },
+    "vllm": {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"},
+}
+_SPELLING = {"tp": "t", "pp": "p", "cp": "c", "ep": "e", "etp": "ffn t (expert tensor parallel)"}
+
+
+def strategy_problems(
+    c: Component,
+    options: Mapping[str, Any],
+    model_info: Mapping[str, Any] | None,
+    device: str,
+    path: Sequence[PathPart],
+    options_path: Sequence[PathPart],
+) -> list[Problem]:
+    """Everything wrong with running component `c` with these options on `device` ("cuda"/"cpu")."""
+    path, options_path = tuple(path), tuple(options_path)
+    out: list[Problem] = []
+    for key, attr in OPTION_SIZES.get(c.backend, {}).items():
+        value = options.get(key)
+        if value is not None and value != getattr(c, attr):
+            hint = ("; etp is ffn's t in megatron:(attn:<dims>|ffn:<dims>), a plain string implies etp = t "
+                    "without e and etp = 1 with e") if attr == "etp" else ""
+            out.append(Problem(options_path + (key,), (
+                f"{key}={value} contradicts the mesh allocation {c.text or c.backend!r}, which has "
+                f"{_SPELLING[attr]}={getattr(c, attr)}; set them equal or drop the option{hint}")))
+    if c.backend == "megatron":
+        out += _megatron_rules(c, options, model_info or {}, device, path, options_path)
+    return out
+
+
+def _megatron_rules(c, options, model_info, device, path, options_path) -> list[Problem]:
+    out: list[Problem] = []
+
+    def bad(where, message):
+        out.append(Problem(where, message))
+
+    vpp = options.get("virtual_pipeline_model_parallel_size") or 1
+    if vpp > 1 and c.pp == 1:
+        bad(options_path + ("virtual_pipeline_model_parallel_size",),
+            f"virtual pipeline ({vpp}) needs pipeline parallel > 1, the mesh has p1; use p>=2 or drop it")
+    num_layers = model_info.get("num_layers")
+    if num_layers and num_layers % (c.pp * vpp):
+        bad(path, f"{num_layers} layers do not split evenly over p{c.pp} x vpp{vpp} = {c.pp * vpp} "
+                  "pipeline chunks; choose p (and vpp) dividing the layer count")
+    sp = bool(options.get("sequence_parallel"))
+    if sp and c.tp == 1:
+        bad(options_path + ("sequence_parallel",),
+            "sequence_parallel needs tensor parallel > 1, the mesh has t1; drop it or use t>=2")
+    experts = model_info.get("num_experts", options.get("num_moe_experts"))
+    if (c.ep > 1 or (experts or 0) > 1) and c.tp > 1 and not sp:
+        bad(options_path + ("sequence_parallel",),
+            f"an MoE model with tensor parallel t{c.tp} needs sequence_parallel: true (megatron-core refuses "
+            "MoE training with TP and without sequence parallel)")
+    if c.ep > 1 and experts is not None:
+        if experts <= 1:
+            bad(path, f"e{c.ep} (expert parallel) needs an MoE model, this one has num_experts={experts}")
+        elif experts % c.ep:
+            bad(path, f"{experts} experts do not split evenly over e{c.ep}; choose e dividing num_experts")
+    if device == "cpu":
+        if c.cp > 1:
+            bad(path, f"context parallel (c{c.cp}) needs CUDA (TransformerEngine attention); use a cuda "
+                      "cluster or set c1 in the allocation")
+        if options.get("moe_grouped_gemm"):
+            bad(options_path + ("moe_grouped_gemm",),
+                "moe_grouped_gemm needs CUDA (grouped_gemm kernels); use a cuda cluster or set "
+                "moe_grouped_gemm: false")
+    return out

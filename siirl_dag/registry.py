@@ -1,0 +1,104 @@
+"""Registries of node kinds and strategies: adding one is one new file plus one line.
+
+A node kind is a function that runs one node on a batch, decorated with `@node_kind(...)`, which
+records its data contract (keys consumed and produced), the strategies it can run on, and the
+schema of its params. Built-in kinds live in the top-level `nodes/` package; a user's own kind is
+named in the YAML as `module:function`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+Keys = Union[Sequence[str], Callable[[dict], Sequence[str]]]
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    name: str
+    fn: Callable[..., dict]
+    consumes: Keys = ()
+    produces: Keys = ()
+    strategies: tuple[str, ...] = ()  # empty: a compute node, runs on CPU beside the driver
+    params_schema: str | None = None  # file under schemas/nodes/
+    trains: bool = False  # updates weights of its model (a valid `weights_from` target)
+    check: Callable[..., list] | None = None  # extra checks: check(node, pipeline) -> [Problem]
+    doc: str = field(default="", compare=False)
+
+    def consumed(self, params: dict) -> tuple[str, ...]:
+        return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
+
+    def produced(self, params: dict) -> tuple[str, ...]:
+        return tuple(self.produces(params) if callable(self.produces) else self.produces)
+
+    @property
+    def is_model_node(self) -> bool:
+        return bool(self.strategies)
+
+
+_KINDS: dict[str, NodeKind] = {}
+
+# Strategies: name -> "module:Class"; imported lazily so `validate` never loads vLLM or Megatron.
+STRATEGIES: dict[str, str] = {
+    "vllm": "siirl_dag.strategies.vllm:VllmRollout",
+    "megatron": "siirl_dag.strategies.megatron:MegatronEngine",
+}
+
+
+def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
+              params_schema: str | None = None, trains: bool = False, check: Callable | None = None):
+    """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
+
+    def register(fn: Callable) -> Callable:
+        kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
+                        params_schema, trains, check, (fn.__doc__ or "").strip().split("\n")[0])
+        fn.node_kind = kind
+        if name is not None:
+            if name in _KINDS and _KINDS[name].fn is not fn:
+                raise ValueError(f"node kind '{name}' is registered twice")
+            _KINDS[name] = kind
+        return fn
+
+    return register
+
+
+def _load_builtin_kinds() -> None:
+    importlib.import_module("nodes")
+
+
+def registered_kinds() -> dict[str, NodeKind]:
+    _load_builtin_kinds()
+    return dict(_KINDS)
+
+
+def resolve_kind(ref: str) -> NodeKind:
+    """A registered name, or `module:function` (annotated with @node_kind or a plain function).
+
+    Raises LookupError with a message fit for the user.
+    """
+    kinds = registered_kinds()
+    if ref in kinds:
+        return kinds[ref]
+    if ":" not in ref:
+        raise LookupError(f"unknown node kind '{ref}'; expected one of: {', '.join(sorted(kinds))}, or module:function")
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(f"cannot import module '{module_name}' of kind '{ref}' ({exc})") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise LookupError(f"module '{module_name}' has no '{attr}' (kind '{ref}')")
+    if not callable(fn):
+        raise LookupError(f"'{ref}' is not callable; expected a function taking (batch, ctx)")
+    return getattr(fn, "node_kind", None) or NodeKind(ref, fn)
+
+
+def strategy_class(name: str) -> Any:
+    """Import and return the strategy class registered under `name`."""
+    module_name, _, cls = STRATEGIES[name].partition(":")
+    return getattr(importlib.import_module(module_name), cls)

@@ -1,0 +1,43 @@
+"""What every strategy (a per-rank engine bound to one node's model and mesh) provides.
+
+A strategy instance lives inside one rank process of a worker group. The runtime has already
+initialised torch.distributed for the mesh (gloo on CPU, NCCL on CUDA) before constructing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where a strategy instance runs: its rank in the mesh and the device it owns."""
+
+    rank: int
+    world_size: int
+    device: str = "cpu"  # "cpu" or "cuda"
+    local_device_index: int = 0
+    seed: int = 0
+    # parallel sizes of the mesh this rank belongs to (dp, tp, pp, cp, ep, etp, vpp)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+class Strategy:
+    """Base class. Subclasses: the vLLM rollout engine, the Megatron engine."""
+
+    name: str = ""
+
+    def __init__(self, ctx: RankContext, model: Any, options: dict[str, Any]):
+        self.ctx = ctx
+        self.model_spec = model
+        self.options = options
+
+    def offload(self) -> None:
+        """Free the device for a colocated role (hybrid engine). Default: nothing to free."""
+
+    def onload(self) -> None:
+        """Take the device back after `offload`."""
+
+    def close(self) -> None:
+        """Release processes and memory held by the engine."""

@@ -1,0 +1,260 @@
+"""The pipeline language: every error class gets a broken pipeline and a precise, located message."""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from siirl_dag.config import load_pipeline
+from siirl_dag.config.roll_compat import parse_device_list
+from siirl_dag.errors import ConfigError
+
+BASE = textwrap.dedent("""\
+    name: t
+    cluster: {nodes: 1, devices_per_node: 4, device: cpu}
+    models:
+      policy: {path: no/such/model, dtype: float32}
+    data:
+      train_files: train.parquet
+      train_batch_size: 8
+    meshes:
+      gen: vllm:d1
+      train: megatron:d2
+    nodes:
+      - {id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: actor_update, options: {n: 4}}
+      - {id: reward, kind: reward, deps: [rollout]}
+      - {id: advantage, kind: advantage, deps: [reward]}
+      - {id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {output: old_logprobs}}
+      - id: actor_update
+        kind: actor_update
+        deps: [advantage, old_logprob]
+        mesh: train
+        model: policy
+        params: {mini_batch_size: 4}
+    trainer: {total_steps: 2}
+    """)
+
+
+def write(tmp_path, text, name="p.yaml"):
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+def problems(tmp_path, text, overrides=()):
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(write(tmp_path, text), list(overrides))
+    return [p for p in info.value.problems if p.severity == "error"]
+
+
+def line_of(text, needle):
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_base_is_valid_and_typed(tmp_path):
+    pipe = load_pipeline(write(tmp_path, BASE))
+    assert list(pipe.nodes) == ["rollout", "reward", "advantage", "old_logprob", "actor_update"]
+    assert pipe.nodes["actor_update"].params["clip_ratio_low"] == 0.2  # default filled from the schema
+    assert pipe.trainer.logger == ("console", "tensorboard")
+    assert pipe.samples_per_prompt("actor_update") == 4
+    assert pipe.data_parallel_size("actor_update") == 2
+    assert pipe.produces("old_logprob") == ("old_logprobs",)
+    # a missing model directory is a warning at validate time and an error for a run
+    assert [w.path for w in pipe.warnings] == [("models", "policy", "path")]
+    with pytest.raises(ConfigError, match="model directory 'no/such/model' not found"):
+        load_pipeline(write(tmp_path, BASE), for_run=True)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("graphs/*.yaml")))
+def test_every_shipped_graph_validates(path):
+    pipe = load_pipeline(path)
+    assert pipe.plan is not None and pipe.nodes
+    assert all(w.severity == "warning" for w in pipe.warnings)
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    text = BASE.replace("train_batch_size: 8", "train_batch_size: [8")
+    (p,) = problems(tmp_path, text)
+    assert "YAML syntax error" in p.message and p.line is not None and p.file.endswith("p.yaml")
+
+
+def test_duplicate_yaml_key(tmp_path):
+    text = BASE.replace("  train_batch_size: 8\n", "  train_batch_size: 8\n  train_batch_size: 16\n")
+    (p,) = problems(tmp_path, text)
+    assert "duplicate key" in p.message and p.line == line_of(text, "train_batch_size: 16")
+
+
+def test_tags_are_refused_not_constructed(tmp_path):
+    text = BASE.replace("name: t", "name: !!python/object/apply:os.system ['echo hacked']")
+    (p,) = problems(tmp_path, text)
+    assert "no tags" in p.message
+
+
+def test_unknown_key_did_you_mean_with_location(tmp_path):
+    text = BASE.replace("trainer: {total_steps: 2}", "trainer: {totl_steps: 2}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("trainer", "totl_steps")
+    assert "did you mean 'total_steps'" in p.message
+    assert (p.line, p.col) == (line_of(text, "totl_steps"), 11)
+    assert str(p).startswith(f"{p.file}:{p.line}:11: trainer.totl_steps: unknown key")
+
+
+def test_type_enum_and_required_errors_all_at_once(tmp_path):
+    text = BASE.replace("train_batch_size: 8", "train_batch_size: many").replace("device: cpu", "device: gpu")
+    text = text.replace("name: t\n", "")
+    found = {p.path: p.message for p in problems(tmp_path, text)}
+    assert "missing required key 'name'" in found[()]
+    assert "expected integer" in found[("data", "train_batch_size")]
+    assert "expected one of: 'cuda', 'cpu'" in found[("cluster", "device")]
+
+
+def test_kind_params_are_checked(tmp_path):
+    text = BASE.replace("params: {mini_batch_size: 4}", "params: {mini_batch_size: 4, clip_ratio_lo: 0.1}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 4, "params", "clip_ratio_lo") and "did you mean 'clip_ratio_low'" in p.message
+
+
+def test_duplicate_ids_unknown_kind_and_dep(tmp_path):
+    text = BASE.replace("{id: advantage, kind: advantage, deps: [reward]}", "{id: reward, kind: advantag, deps: [rewad]}")
+    msgs = [p.message for p in problems(tmp_path, text)]
+    assert any("duplicate node id 'reward'" in m for m in msgs)
+    assert any("unknown node kind 'advantag'" in m and "advantage" in m for m in msgs)
+
+
+def test_unknown_dependency_suggests(tmp_path):
+    text = BASE.replace("deps: [reward]}", "deps: [rewad]}")
+    (p,) = problems(tmp_path, text)
+    assert "unknown dependency 'rewad'; did you mean 'reward'?" in p.message
+    assert p.path == ("nodes", 2, "deps", 0)
+
+
+def test_cycle_is_named(tmp_path):
+    text = BASE.replace("{id: reward, kind: reward, deps: [rollout]}", "{id: reward, kind: reward, deps: [rollout, advantage]}")
+    msgs = [p.message for p in problems(tmp_path, text)]
+    assert any("dependency cycle reward -> advantage -> reward" in m for m in msgs)
+
+
+def test_unreachable_nodes(tmp_path):
+    text = BASE.replace("{id: reward, kind: reward, deps: [rollout]}", "{id: reward, kind: reward, deps: [advantage]}")
+    msgs = [p.message for p in problems(tmp_path, text)]
+    assert any("not reachable from any source node" in m for m in msgs)
+    assert any("cycle reward -> advantage -> reward" in m for m in msgs)
+
+
+def test_missing_producer_suggests_dependency(tmp_path):
+    text = BASE.replace("deps: [advantage, old_logprob]", "deps: [old_logprob]")
+    (p,) = problems(tmp_path, text)
+    assert "'actor_update' consumes 'advantages' but no upstream node produces it; add 'advantage' to its deps" in p.message
+
+
+def test_two_producers_of_one_key(tmp_path):
+    text = BASE.replace("    trainer:", "").replace(
+        "  - id: actor_update",
+        "  - {id: old2, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {output: old_logprobs}}\n  - id: actor_update",
+    ).replace("deps: [advantage, old_logprob]", "deps: [advantage, old_logprob, old2]")
+    (p,) = problems(tmp_path, text)
+    assert "produced by several upstream nodes (old2, old_logprob)" in p.message
+
+
+def test_weights_from_must_name_a_trainer_of_the_same_model(tmp_path):
+    text = BASE.replace("weights_from: actor_update", "weights_from: old_logprob")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 0, "weights_from") and "'old_logprob' does not train" in p.message
+
+
+def test_strategy_the_kind_cannot_use(tmp_path):
+    text = BASE.replace("kind: logprob, deps: [rollout], mesh: train", "kind: logprob, strategy: vllm, deps: [rollout], mesh: train")
+    text = text.replace("{id: reward, kind: reward, deps: [rollout]}", "{id: reward, kind: reward, deps: [rollout], strategy: vllm}")
+    msgs = {p.path: p.message for p in problems(tmp_path, text)}
+    assert "cannot use strategy 'vllm'; expected one of: megatron" in msgs[("nodes", 3, "strategy")]
+    assert "compute node" in msgs[("nodes", 1, "strategy")]
+
+
+def test_mesh_backend_without_strategy(tmp_path):
+    text = BASE.replace("train: megatron:d2", "train: fsdp:d2")
+    msgs = [p.message for p in problems(tmp_path, text)]
+    assert any("backend 'fsdp' has no strategy in this engine (available: megatron, vllm)" in m for m in msgs)
+
+
+def test_batch_arithmetic_says_which_numbers(tmp_path):
+    (p,) = problems(tmp_path, BASE.replace("mini_batch_size: 4", "mini_batch_size: 3"))
+    assert "mini_batch_size 3 does not divide data.train_batch_size 8" in p.message
+    text = BASE.replace("    params: {mini_batch_size: 4}", "    options: {micro_batch_size: 3}\n    params: {mini_batch_size: 4}")
+    msgs = [p.message for p in problems(tmp_path, text)]
+    assert any("4 prompts x 4 samples = 16 samples, which do not split into 2 data-parallel ranks x micro_batch_size 3" in m for m in msgs)
+
+
+def test_cluster_too_small(tmp_path):
+    msgs = [p.message for p in problems(tmp_path, BASE.replace("devices_per_node: 4", "devices_per_node: 2"))]
+    assert any("3" in m and "2" in m and "device" in m for m in msgs)
+
+
+def test_overrides_typed_by_id_and_checked(tmp_path):
+    f = write(tmp_path, BASE)
+    pipe = load_pipeline(f, ["data.train_batch_size=16", "nodes.actor_update.params.mini_batch_size=8",
+                             "trainer.logger=[console]", "runtime.backend=local"])
+    assert pipe.data.train_batch_size == 16 and pipe.nodes["actor_update"].params["mini_batch_size"] == 8
+    assert pipe.trainer.logger == ("console",) and pipe.runtime.backend == "local"
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(f, ["trainer.total_stpes=3"])
+    (p,) = info.value.problems
+    assert p.file == "<command line>" and "did you mean 'total_steps'" in p.message and "override 'trainer.total_stpes=3'" in p.message
+    with pytest.raises(ConfigError, match="no node with id 'actr'"):
+        load_pipeline(f, ["nodes.actr.params.epochs=2"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_pipeline(f, ["trainer.total_steps"])
+
+
+def test_roll_spelling_is_accepted(tmp_path):
+    text = BASE.replace("mesh: train, model: policy, params: {output: old_logprobs}",
+                        "model: policy, params: {output: old_logprobs}, device_mapping: 'list(range(3,5))', "
+                        "strategy_args: {strategy_name: megatron_infer, strategy_config: {tensor_model_parallel_size: 2}}")
+    pipe = load_pipeline(write(tmp_path, text), ["cluster.devices_per_node=5"])
+    node = pipe.nodes["old_logprob"]
+    assert node.strategy == "megatron" and node.options["tensor_model_parallel_size"] == 2
+    assert pipe.meshes[node.mesh].devices == (3, 4) and pipe.plan.meshes[node.mesh].devices == [3, 4]
+
+
+def test_device_mapping_is_never_evaluated(tmp_path):
+    text = BASE.replace("mesh: train, model: policy, params: {output: old_logprobs}",
+                        "model: policy, params: {output: old_logprobs}, device_mapping: \"__import__('os').getcwd()\"")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 3, "device_mapping") and "cannot read device list" in p.message
+
+
+@pytest.mark.parametrize("text,devices", [("list(range(0,4))", [0, 1, 2, 3]), ("range(2, 8, 2)", [2, 4, 6]),
+                                          ("[1, 3]", [1, 3]), ("0,1,2", [0, 1, 2]), ("4-6", [4, 5, 6]), ([0, 2], [0, 2])])
+def test_device_lists(text, devices):
+    assert parse_device_list(text) == devices
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "siirl_dag.main", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_validate_ok_and_errors(tmp_path):
+    ok = run_cli("validate", str(write(tmp_path, BASE)))
+    assert ok.returncode == 0 and "is valid" in ok.stdout and "actor_update" in ok.stdout
+    bad = write(tmp_path, BASE.replace("total_steps", "total_step"), "bad.yaml")
+    res = run_cli("validate", str(bad))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"{bad}:{line_of(bad.read_text(), 'total_step')}:11: trainer.total_step: unknown key" in res.stderr
+    js = run_cli("validate", str(bad), "--json")
+    assert js.returncode == 2 and json.loads(js.stdout)["errors"][0]["path"] == "trainer.total_step"
+    missing = run_cli("validate", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_cli_plan_alloc_json():
+    res = run_cli("plan", "--alloc", "vllm:d2t4+megatron:(attn:d1p4t2c2|ffn:d1p4t1e4)", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["world_size"] == 24
+    assert out["components"][1]["ep"] == 4 and out["components"][1]["etp"] == 1
+    bad = run_cli("plan", "--alloc", "d4t2", "--json")
+    assert bad.returncode == 2 and "backend" in bad.stdout

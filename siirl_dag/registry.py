@@ -98,7 +98,7 @@ def resolve_kind(ref: str) -> NodeKind:
     return getattr(fn, "node_kind", None) or NodeKind(ref, fn)
 
 
-def strategy_class(name: str) -> Any:
-    """Import and return the strategy class registered under `name`."""
-    module_name, _, cls = STRATEGIES[name].partition(":")
-    return getattr(importlib.import_module(module_name), cls)
+def import_ref(ref: str) -> Any:
+    """Import `module:attr` (a strategy class from STRATEGIES, for instance)."""
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)

@@ -1,0 +1,1 @@
+"""Algorithm functions (pure torch): rewards, advantages, losses, metrics. Node kinds call these."""

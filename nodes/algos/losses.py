@@ -1,0 +1,204 @@
+"""PPO-family losses on [B, R] response-aligned tensors (verl semantics, names users know).
+
+Every function takes a `response_mask` and ignores padded tokens. `agg_loss` turns a per-token loss
+matrix into a scalar; the aggregation mode decides how long and short responses are weighted,
+which is what separates GRPO (token-mean), the original PPO-RLHF (seq-mean-token-mean) and
+Dr.GRPO (seq-mean-token-sum-norm).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nodes.algos.masked import masked_mean, masked_sum
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Estimator names: verl's names and the k1/k2/k3 names of Schulman's note on KL approximation.
+KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3", "abs": "abs"}
+
+
+def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str, norm_constant: Optional[float] = None) -> torch.Tensor:
+    """Reduce a [B, R] per-token loss to a scalar.
+
+    token-mean: mean over all response tokens of the batch (long answers weigh more).
+    seq-mean-token-sum: per-sequence token sum, mean over sequences.
+    seq-mean-token-mean: per-sequence token mean, mean over sequences (every answer weighs the same).
+    seq-mean-token-sum-norm: per-sequence token sum / `norm_constant` (default: R, the max response
+    length), mean over sequences; a constant divisor removes the length bias (Dr.GRPO).
+    Sequence means run over sequences with at least one response token.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, response_mask)
+    nonempty = (response_mask.sum(dim=-1) > 0).to(loss_mat.dtype)
+    if mode == "seq-mean-token-sum":
+        per_seq = masked_sum(loss_mat, response_mask, dim=-1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = masked_mean(loss_mat, response_mask, dim=-1)
+    elif mode == "seq-mean-token-sum-norm":
+        divisor = response_mask.shape[-1] if norm_constant is None else norm_constant
+        per_seq = masked_sum(loss_mat, response_mask, dim=-1) / divisor
+    else:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
+    return masked_mean(per_seq, nonempty)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from the log-probs of the sampled tokens.
+
+    k1 ("kl"): log p - log q (unbiased, high variance, can be negative).
+    k2 ("mse"): 0.5 (log p - log q)^2.
+    k3 ("low_var_kl"): q/p - log(q/p) - 1 >= 0, clamped to [-10, 10] as verl does for stability.
+    "abs": |log p - log q|.
+    """
+    kind = KL_ESTIMATORS.get(estimator)
+    if kind is None:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+    diff = logprobs - ref_logprobs
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "abs":
+        return diff.abs()
+    log_ratio = (-diff).clamp(-20.0, 20.0)  # log(q/p); clamp keeps exp finite
+    return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = 3.0,
+    loss_agg_mode: str = "token-mean",
+    norm_constant: Optional[float] = None,
+):
+    """PPO clipped surrogate with asymmetric clipping and dual-clip.
+
+    ratio = exp(logprobs - old_logprobs); per token loss = max(-A r, -A clip(r, 1-low, 1+high)).
+    Dual-clip (Ye et al. 2020) bounds the loss of negative-advantage tokens at -A * clip_ratio_c so a
+    huge ratio on a bad token cannot blow up the update; None disables it.
+    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower) with the last three as detached scalars.
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 (dual-clip lower bound), got {clip_ratio_c}")
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    ppo_kl = masked_mean(-log_ratio, response_mask)
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        negative = advantages < 0
+        pg_clipfrac_lower = masked_mean(((loss > bound) & negative).float(), response_mask)
+        loss = torch.where(negative, torch.minimum(loss, bound), loss)
+    else:
+        pg_clipfrac_lower = torch.zeros((), dtype=loss.dtype, device=loss.device)
+
+    pg_loss = agg_loss(loss, response_mask, loss_agg_mode, norm_constant)
+    return pg_loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
+
+
+def value_loss(
+    values_pred: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    norm_constant: Optional[float] = None,
+):
+    """Clipped critic loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2), as in PPO.
+
+    Returns (vf_loss, vf_clipfrac); vf_clipfrac is the share of tokens where the clipped term won.
+    """
+    clipped = old_values + (values_pred - old_values).clamp(-cliprange_value, cliprange_value)
+    loss_unclipped = (values_pred - returns).square()
+    loss_clipped = (clipped - returns).square()
+    vf_loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode, norm_constant)
+    vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+    return vf_loss, vf_clipfrac.detach()
+
+
+def ppo_actor_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = 3.0,
+    loss_agg_mode: str = "token-mean",
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.001,
+    kl_loss_type: str = "low_var_kl",
+    norm_constant: Optional[float] = None,
+):
+    """The actor objective: pg_loss - entropy_coeff * entropy + kl_loss_coef * KL(policy || ref).
+
+    Returns (loss, metrics) with metrics as floats under the actor/* names of verl.
+    """
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
+        logprobs, old_logprobs, advantages, response_mask,
+        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode, norm_constant=norm_constant,
+    )
+    loss = pg_loss
+    metrics = {
+        "actor/pg_loss": pg_loss.item(),
+        "actor/pg_clipfrac": pg_clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
+    }
+    if entropy is not None:
+        entropy_loss = agg_loss(entropy, response_mask, loss_agg_mode, norm_constant)
+        loss = loss - entropy_coeff * entropy_loss
+        metrics["actor/entropy"] = entropy_loss.item()
+    elif entropy_coeff != 0.0:
+        raise ValueError(f"entropy_coeff={entropy_coeff} needs the per-token entropy; none was given")
+    if use_kl_loss:
+        if ref_logprobs is None:
+            raise ValueError("use_kl_loss needs ref_logprobs; none were given (is a reference log-prob node upstream?)")
+        kl_loss = agg_loss(kl_penalty(logprobs, ref_logprobs, kl_loss_type), response_mask, loss_agg_mode, norm_constant)
+        loss = loss + kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.item()
+        metrics["actor/kl_coef"] = kl_loss_coef
+    return loss, metrics
+
+
+def ppo_critic_loss(
+    values_pred: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    norm_constant: Optional[float] = None,
+):
+    """The critic objective with its critic/* metrics (floats)."""
+    vf_loss, vf_clipfrac = value_loss(
+        values_pred, old_values, returns, response_mask,
+        cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, norm_constant=norm_constant,
+    )
+    metrics = {
+        "critic/vf_loss": vf_loss.item(),
+        "critic/vf_clipfrac": vf_clipfrac.item(),
+        "critic/vpred_mean": masked_mean(values_pred, response_mask).item(),
+    }
+    return vf_loss, metrics

@@ -1,0 +1,6 @@
+"""Running a checked pipeline: worker groups per mesh, the DAG walked once per step."""
+
+from siirl_dag.runtime.batch import Batch
+from siirl_dag.runtime.driver import PipelineError, Runtime, StepResult
+
+__all__ = ["Batch", "PipelineError", "Runtime", "StepResult"]

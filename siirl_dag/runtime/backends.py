@@ -1,0 +1,173 @@
+"""Where rank workers live: in this process (`local`) or as Ray actors pinned by placement groups (`ray`).
+
+Both expose the same calls; the Ray one returns ObjectRefs and the local one plain values, so the
+driver's scheduling code is the same for both and their results are identical on the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from siirl_dag.runtime.worker import RankWorker
+
+
+class _Done:
+    """A finished in-process call: its value, or the exception it raised (re-raised by `get`)."""
+
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+
+class LocalBackend:
+    """Everything in this process; for debugging and the smallest runs."""
+
+    name = "local"
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    def start(self) -> None:
+        pass
+
+    def create_worker(self, group: str, rank: int, world: int, device: int | None):
+        return RankWorker(group, rank, world, self.pipeline.cluster.device, threads=1)
+
+    def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
+        try:
+            value = getattr(worker, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - delivered at `get`, as Ray does
+            return [_Done(error=exc)] * num_returns if num_returns > 1 else _Done(error=exc)
+        return [_Done(v) for v in value] if num_returns > 1 else _Done(value)
+
+    def get(self, done):
+        if isinstance(done, list):
+            return [self.get(d) for d in done]
+        if done.error is not None:
+            raise done.error
+        return done.value
+
+    def put(self, value):
+        return value
+
+    def fetch(self, ref):
+        return ref
+
+    def wait(self, pending: list) -> list:
+        return pending  # calls already finished when they returned
+
+    def kill(self, worker) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Attach to a cluster at `address`, or start a local Ray whose workers see this process's sys.path."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address:
+        kwargs["address"] = address
+    else:
+        # workers import the same code the driver sees (the checkout, user kinds, tests)
+        paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        kwargs.update(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}})
+    ray.init(**kwargs)
+
+
+class RayBackend:
+    """One Ray actor per rank, placed with one STRICT_PACK placement group per machine."""
+
+    name = "ray"
+
+    def __init__(self, pipeline, address: str | None = None):
+        self.pipeline = pipeline
+        self.address = address or pipeline.runtime.address
+        self.started_ray = False
+        self.groups: list = []
+        self.actors: list = []
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        cluster, cpr = self.pipeline.cluster, self.pipeline.runtime.cpus_per_rank
+        if not ray.is_initialized():
+            init_ray(self.address, int(max(os.cpu_count() or 1, cluster.total * cpr + 1)))
+            self.started_ray = True
+        bundle = {"GPU": 1, "CPU": 1} if cluster.device == "cuda" else {"CPU": cpr}
+        self.groups = [placement_group([dict(bundle) for _ in range(cluster.devices_per_node)], strategy="STRICT_PACK")
+                       for _ in range(cluster.nodes)]
+        ray.get([pg.ready() for pg in self.groups], timeout=120)
+
+    def create_worker(self, group: str, rank: int, world: int, device: int | None):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cluster = self.pipeline.cluster
+        threads = max(1, int(self.pipeline.runtime.cpus_per_rank))
+        options: dict[str, Any] = {"name": None, "max_concurrency": 1,
+                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+        if device is None:  # the compute worker: reward, advantage ... beside the driver
+            options.update(num_cpus=0, max_concurrency=8)
+        else:
+            machine, local = divmod(device, cluster.devices_per_node)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.groups[machine], placement_group_bundle_index=local)
+            options.update(num_gpus=1, num_cpus=1) if cluster.device == "cuda" else options.update(num_cpus=self.pipeline.runtime.cpus_per_rank)
+        actor = ray.remote(RankWorker).options(**options).remote(group, rank, world, cluster.device, threads)
+        self.actors.append(actor)
+        return actor
+
+    def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
+        return getattr(worker, method).options(num_returns=num_returns).remote(*args, **kwargs)
+
+    def get(self, ref):
+        import ray
+
+        return ray.get(ref)
+
+    def put(self, value):
+        import ray
+
+        return ray.put(value)
+
+    def fetch(self, ref):
+        import ray
+
+        return ray.get(ref)
+
+    def wait(self, pending: list) -> list:
+        import ray
+
+        ready, _ = ray.wait(pending, num_returns=1)
+        return ready
+
+    def kill(self, worker) -> None:
+        import ray
+
+        ray.kill(worker, no_restart=True)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine during teardown
+                pass
+        for pg in self.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors, self.groups = [], []
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False

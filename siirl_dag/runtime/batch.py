@@ -1,0 +1,121 @@
+"""The batch that flows between nodes: named tensors with a leading row dimension plus per-row
+metadata lists (prompt uid, data source, ground truth ...).
+
+A small own type rather than tensordict: the operations the engine needs are select, slice,
+concat and merge, and the wire format must be numpy (zero-copy out of the Ray object store).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+_NUMPY_UNSUPPORTED = {torch.bfloat16: torch.int16}  # sent as raw bits, restored on arrival
+
+
+class Batch(Mapping):
+    """rows x (tensors | lists). Every value has the same number of rows."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None, meta: Mapping[str, Sequence] | None = None):
+        self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
+        self.meta: dict[str, list] = {k: list(v) for k, v in (meta or {}).items()}
+        sizes = {k: len(v) for k, v in self.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"batch values have different row counts: {sizes}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Batch":
+        """Tensors (and numpy arrays) become tensors; everything else is per-row metadata."""
+        tensors, meta = {}, {}
+        for key, value in values.items():
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(value)
+            (tensors if isinstance(value, torch.Tensor) else meta)[key] = value
+        return cls(tensors, meta)
+
+    def __getitem__(self, key: str):
+        return self.tensors[key] if key in self.tensors else self.meta[key]
+
+    def __iter__(self):
+        yield from self.tensors
+        yield from self.meta
+
+    def __len__(self) -> int:
+        """Number of keys (Mapping protocol); rows are `num_rows`."""
+        return len(self.tensors) + len(self.meta)
+
+    @property
+    def num_rows(self) -> int:
+        for value in self.values():
+            return len(value)
+        return 0
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> "Batch":
+        index = torch.as_tensor(index, dtype=torch.long)
+        rows = index.tolist()
+        return Batch({k: v[index] for k, v in self.tensors.items()}, {k: [v[i] for i in rows] for k, v in self.meta.items()})
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        return Batch({k: v[start:stop] for k, v in self.tensors.items()}, {k: v[start:stop] for k, v in self.meta.items()})
+
+    def only(self, keys: Iterable[str]) -> "Batch":
+        keys = set(keys)
+        return Batch({k: v for k, v in self.tensors.items() if k in keys}, {k: v for k, v in self.meta.items() if k in keys})
+
+    def merge(self, other: Mapping[str, Any]) -> "Batch":
+        """A new batch with `other`'s keys added (or replaced); row counts must match."""
+        extra = other if isinstance(other, Batch) else Batch.from_dict(other)
+        if self.num_rows and extra.num_rows and self.num_rows != extra.num_rows and len(extra):
+            raise ValueError(f"cannot merge {extra.num_rows} rows into a batch of {self.num_rows}")
+        return Batch({**self.tensors, **extra.tensors}, {**self.meta, **extra.meta})
+
+    @staticmethod
+    def concat(parts: Sequence["Batch"]) -> "Batch":
+        parts = [p for p in parts if p.num_rows]
+        if not parts:
+            return Batch()
+        keys = list(parts[0].keys())
+        tensors, meta = {}, {}
+        for key in keys:
+            if key in parts[0].tensors:
+                tensors[key] = _cat_padded([p.tensors[key] for p in parts])
+            else:
+                meta[key] = [x for p in parts for x in p.meta[key]]
+        return Batch(tensors, meta)
+
+    def to_wire(self) -> dict:
+        """numpy arrays + lists: cheap to put in, and zero-copy to get out of, the object store."""
+        tensors = {}
+        for key, t in self.tensors.items():
+            t = t.detach().cpu()
+            raw = t.view(_NUMPY_UNSUPPORTED[t.dtype]) if t.dtype in _NUMPY_UNSUPPORTED else t
+            tensors[key] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
+        return {"tensors": tensors, "meta": self.meta}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "Batch":
+        tensors = {}
+        for key, (array, dtype) in wire["tensors"].items():
+            array = np.asarray(array)
+            # object-store arrays are read-only views; nodes may write in place, so own a copy
+            t = torch.from_numpy(array if array.flags.writeable else array.copy())
+            tensors[key] = t.view(getattr(torch, dtype)) if str(t.dtype).removeprefix("torch.") != dtype else t
+        return cls(tensors, wire["meta"])
+
+
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along rows; equal trailing shapes are required (the batch layout pads to fixed lengths)."""
+    shapes = {tuple(t.shape[1:]) for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(f"cannot concatenate tensors of trailing shapes {sorted(shapes)}")
+    return torch.cat(tensors, dim=0)
+
+
+def row_tokens(batch: Batch) -> list[int]:
+    """Per-row work estimate for balancing: attention tokens when known, else 1 per row."""
+    for key in ("attention_mask", "response_mask"):
+        if key in batch.tensors:
+            return batch.tensors[key].sum(dim=-1).tolist()
+    return [1] * batch.num_rows

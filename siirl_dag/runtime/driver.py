@@ -1,0 +1,302 @@
+"""The single controller: builds worker groups from the plan, then runs the DAG once per step.
+
+Each step, every node whose inputs are ready and whose mesh is free is dispatched at once, so
+independent branches on disjoint meshes (old and reference log-probs, say) overlap. The driver
+holds references only: a node's output stays with the workers (Ray object store) as per-rank
+shards, and each consumer rank fetches the row ranges it needs (`reshard`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import networkx as nx
+
+from siirl_dag.graph import SOURCE_KEYS
+from siirl_dag.registry import STRATEGIES
+from siirl_dag.runtime.backends import LocalBackend, RayBackend
+from siirl_dag.runtime.batch import Batch, row_tokens
+from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
+from siirl_dag.runtime.worker import NodeError, RoleSpec
+from siirl_dag.strategies.base import RankContext
+
+SOURCE = "__source__"
+COMPUTE = "__compute__"
+
+
+class PipelineError(RuntimeError):
+    """A node failed for good (after its retries); names node, rank and host."""
+
+
+@dataclass
+class NodeOutput:
+    shards: list[Shard]
+    keys: set
+    rows: int
+    tokens: list[int]
+
+
+@dataclass
+class StepResult:
+    metrics: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # node id -> NodeOutput
+    spans: dict = field(default_factory=dict)  # node id -> (start, end) wall time at the driver
+
+
+@dataclass
+class _Running:
+    node: str
+    calls: list  # per rank: (wire, info) results or refs
+    ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
+    started: float
+    remaining: list = field(default_factory=list)  # info refs not finished yet (Ray)
+
+
+class Runtime:
+    def __init__(self, pipeline, address: str | None = None):
+        self.pipe = pipeline
+        backend = pipeline.runtime.backend
+        self.backend = RayBackend(pipeline, address) if backend == "ray" else LocalBackend(pipeline)
+        self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
+        self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
+        self.order = list(pipeline.nodes)
+        self.attempts: dict[str, int] = {}
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def __enter__(self) -> "Runtime":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _anchor(self, mesh: str) -> str:
+        return self.pipe.plan.meshes[mesh].colocated_with or mesh
+
+    def start(self, progress=print) -> None:
+        pipe = self.pipe
+        self._check_local()
+        self.backend.start()
+        for name, mesh in pipe.plan.meshes.items():
+            if mesh.colocated_with is None:
+                world = mesh.component.world_size
+                self.workers[name] = [self.backend.create_worker(name, r, world, mesh.ranks[r].device) for r in range(world)]
+        self.workers[COMPUTE] = [self.backend.create_worker(COMPUTE, 0, 1, None)]
+        self._init_distributed()
+        per_worker: dict[int, tuple] = {}
+        for node in pipe.nodes.values():
+            self.roles[node.id] = []
+            for worker, role in self._roles_of(node):
+                per_worker.setdefault(id(worker), (worker, []))[1].append(role)
+                self.roles[node.id].append((worker, role))
+        t = time.perf_counter()
+        progress(f"[runtime] {self.backend.name}: building engines on {len(per_worker)} worker(s) ...")
+        self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+        progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
+
+    def _check_local(self) -> None:
+        if self.backend.name != "local":
+            return
+        for node in self.pipe.nodes.values():
+            if node.mesh and self.pipe.plan.meshes[node.mesh].component.world_size > 1:
+                from siirl_dag.errors import ConfigError
+
+                raise ConfigError(f"runtime.backend=local runs every rank in this process, but mesh '{node.mesh}' of "
+                                  f"node '{node.id}' has several ranks; use runtime.backend=ray",
+                                  ("runtime", "backend"))
+
+    def _init_distributed(self) -> None:
+        uses_engine = {self._anchor(n.mesh) for n in self.pipe.nodes.values() if n.mesh}
+        for anchor in uses_engine:
+            workers = self.workers[anchor]
+            addr, port = self.backend.get(self.backend.call(workers[0], "address"))
+            self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
+
+    def _roles_of(self, node):
+        pipe = self.pipe
+        kind = pipe.kinds[node.id]
+        tokenizer = self._tokenizer_for(node)
+        if not node.mesh:
+            role = RoleSpec(node, kind, None, None, None, pipe.data, tokenizer,
+                            RankContext(0, 1, "cpu", seed=pipe.trainer.seed), 0, 1, True)
+            return [(self.workers[COMPUTE][0], role)]
+        mesh = pipe.plan.meshes[node.mesh]
+        sizes = {**mesh.sizes, "vpp": node.options.get("virtual_pipeline_model_parallel_size") or 1}
+        key = f"{node.mesh}/{node.model}/{node.strategy}"
+        out = []
+        for slot in mesh.ranks:
+            c = slot.coords
+            output_rank = c.get("tp", 0) == 0 and c.get("cp", 0) == 0 and c.get("pp", 0) == sizes["pp"] - 1
+            ctx = RankContext(slot.rank, mesh.component.world_size, pipe.cluster.device, slot.local_device,
+                              pipe.trainer.seed, sizes)
+            role = RoleSpec(node, kind, key, STRATEGIES[node.strategy], pipe.models[node.model], pipe.data, tokenizer,
+                            ctx, c.get("dp", 0), sizes["dp"], output_rank)
+            out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
+        return out
+
+    def _tokenizer_for(self, node) -> str | None:
+        """A model node's own tokenizer; a compute node gets the nearest upstream model's."""
+        if node.model:
+            return self.pipe.models[node.model].tokenizer_path
+        for up in reversed(self.order):
+            if up in nx.ancestors(self.pipe.graph, node.id) and self.pipe.nodes[up].model:
+                return self.pipe.models[self.pipe.nodes[up].model].tokenizer_path
+        return None
+
+    # -- one step -------------------------------------------------------------------------------
+    def run_step(self, source: Batch, step: int, validating: bool = False, nodes: Iterable[str] | None = None) -> StepResult:
+        """Run the DAG (or the sub-graph `nodes`) on one batch of prompts."""
+        wanted = [n for n in self.order if nodes is None or n in set(nodes)]
+        result = StepResult()
+        result.outputs[SOURCE] = NodeOutput([Shard(self.backend.put(source.to_wire()), 0, source.num_rows)],
+                                            set(source), source.num_rows, row_tokens(source))
+        pending, running, busy = list(wanted), {}, set()
+        while pending or running:
+            for node_id in list(pending):
+                group = self._group_of(node_id)
+                deps_done = all(d in result.outputs or d not in wanted for d in self.pipe.nodes[node_id].deps)
+                if deps_done and group not in busy:
+                    running[node_id] = self._dispatch(node_id, result, step, validating)
+                    pending.remove(node_id)
+                    if group != COMPUTE:
+                        busy.add(group)
+            waiting = [ref for r in running.values() for ref in r.remaining]
+            ready = set(self.backend.wait(waiting)) if waiting else set()
+            for node_id, run in list(running.items()):
+                run.remaining = [ref for ref in run.remaining if ref not in ready]
+                if not run.remaining:
+                    del running[node_id]
+                    busy.discard(self._group_of(node_id))
+                    self._collect(run, result, step, validating, running)
+        return result
+
+    def _group_of(self, node_id: str) -> str:
+        mesh = self.pipe.nodes[node_id].mesh
+        return self._anchor(mesh) if mesh else COMPUTE
+
+    def _owner(self, key: str, node_id: str, outputs: dict) -> str:
+        """The node whose output holds `key` for `node_id`: the latest upstream holder in DAG order."""
+        ancestors = nx.ancestors(self.pipe.graph, node_id)
+        for up in reversed(self.order):
+            if up in ancestors and up in outputs and key in outputs[up].keys:
+                return up
+        if key in outputs[SOURCE].keys or key in SOURCE_KEYS:
+            return SOURCE
+        raise KeyError(f"no output holds '{key}' for node '{node_id}'")
+
+    def _dispatch(self, node_id: str, result: StepResult, step: int, validating: bool) -> _Running:
+        pipe, outputs = self.pipe, result.outputs
+        owners: dict[str, list[str]] = {}
+        for key in pipe.consumes(node_id):
+            if key in SOURCE_KEYS and key not in outputs[SOURCE].keys and self._owner(key, node_id, outputs) == SOURCE:
+                continue  # optional data column (extra_info, say) absent from this data set
+            owners.setdefault(self._owner(key, node_id, outputs), []).append(key)
+        if not owners:  # consumes nothing: sees the row space of its nearest upstream output
+            owners[self._owner_of_rows(node_id, outputs)] = []
+        space = outputs[next(iter(owners))]
+        roles = self.roles[node_id]
+        dp = roles[0][1].dp_size
+        trains = pipe.kinds[node_id].trains
+        ranges = equal_ranges(space.rows, dp) if trains else balanced_ranges(space.tokens, dp)
+        seed_base = (pipe.trainer.seed * 1_000_003 + step * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
+        calls, ranks = [], []
+        for worker, role in roles:
+            lo, hi = ranges[role.dp_rank]
+            inputs = [(keys, pieces(outputs[u].shards, lo, hi)) for u, keys in owners.items()]
+            calls.append(self.backend.call(worker, "run", node_id, inputs, step, validating,
+                                           (seed_base + role.rank_ctx.rank) % (2**31), num_returns=2))
+            ranks.append((role.dp_rank, role.output_rank))
+        remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
+        return _Running(node_id, calls, ranks, time.perf_counter(), remaining)
+
+    def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
+        ancestors = nx.ancestors(self.pipe.graph, node_id)
+        for up in reversed(self.order):
+            if up in ancestors and up in outputs and outputs[up].rows:
+                return up
+        return SOURCE
+
+    def _collect(self, run: _Running, result: StepResult, step: int, validating: bool, running: dict) -> None:
+        try:
+            infos = self.backend.get([c[1] for c in run.calls])
+        except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
+            self._retry_or_raise(run, exc, result, step, validating, running)
+            return
+        end = time.perf_counter()
+        local = self.backend.name == "local"
+        by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
+                        for (dp, is_out), call, info in zip(run.ranks, run.calls, infos) if is_out), key=lambda x: x[0])
+        shards, tokens, start, keys = [], [], 0, set()
+        for _, wire, info in by_dp:
+            shards.append(Shard(wire, start, start + info["rows"]))
+            start += info["rows"]
+            tokens += info["tokens"] or []
+            keys |= set(info["keys"])
+        result.outputs[run.node] = NodeOutput(shards, keys, start, tokens)
+        result.metrics.update(by_dp[0][2]["metrics"] if by_dp else {})
+        result.metrics[f"timing_s/{run.node}"] = end - run.started
+        result.spans[run.node] = (run.started, end)
+
+    def _retry_or_raise(self, run: _Running, exc: Exception, result, step, validating, running) -> None:
+        node = self.pipe.nodes[run.node]
+        cause = getattr(exc, "cause", None) or exc
+        tries = self.attempts.get(run.node, 0)
+        if tries < node.retry_limit:
+            self.attempts[run.node] = tries + 1
+            if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
+                self._restart_group(self._group_of(run.node))
+            running[run.node] = self._dispatch(run.node, result, step, validating)
+            return
+        if isinstance(cause, NodeError):
+            raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"
+                                f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
+        raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}") from None
+
+    def _restart_group(self, group: str) -> None:
+        old = self.workers[group]
+        for w in old:
+            self.backend.kill(w)
+        if group == COMPUTE:
+            self.workers[group] = [self.backend.create_worker(COMPUTE, 0, 1, None)]
+        else:
+            mesh = self.pipe.plan.meshes[group]
+            world = mesh.component.world_size
+            self.workers[group] = [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
+        swap = {id(o): n for o, n in zip(old, self.workers[group])}
+        per_worker: dict[int, tuple] = {}
+        for node_id, pairs in self.roles.items():
+            self.roles[node_id] = [(swap.get(id(w), w), role) for w, role in pairs]
+            for w, role in self.roles[node_id]:
+                if id(w) in {id(n) for n in self.workers[group]}:
+                    per_worker.setdefault(id(w), (w, []))[1].append(role)
+        if group != COMPUTE and any(self.pipe.nodes[n].mesh for n in self.roles):
+            workers = self.workers[group]
+            addr, port = self.backend.get(self.backend.call(workers[0], "address"))
+            self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
+        self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+
+    # -- results and teardown -------------------------------------------------------------------
+    def gather(self, output: NodeOutput, keys: Iterable[str] | None = None) -> Batch:
+        """Bring a node's output to the driver (validation scores, tests); not used on the hot path."""
+        parts = [Batch.from_wire(self.backend.fetch(s.ref)) for s in output.shards]
+        batch = Batch.concat(parts)
+        return batch.only(keys) if keys is not None else batch
+
+    def engine_call(self, node_id: str, method: str, *args, **kwargs) -> list:
+        """Call a method of a node's engine on every rank (checkpoints, weight export)."""
+        return self.backend.get([self.backend.call(w, "call_engine", role.engine_key, method, *args, **kwargs)
+                                 for w, role in self.roles[node_id]])
+
+    def shutdown(self) -> None:
+        try:
+            for workers in self.workers.values():
+                for w in workers:
+                    try:
+                        self.backend.get(self.backend.call(w, "shutdown"))
+                    except Exception:  # noqa: BLE001 - a dead worker has nothing left to close
+                        pass
+        finally:
+            self.workers.clear()
+            self.backend.shutdown()

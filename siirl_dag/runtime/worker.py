@@ -1,0 +1,160 @@
+"""One rank process: holds the roles (node kinds + strategy engines) placed on its device.
+
+The same class runs in-process (runtime.backend=local) and as a Ray actor (ray). Colocated meshes
+share the process of each rank, so one device holds several roles, as verl's hybrid engine does;
+nodes bound to the same mesh and model share one engine (old log-probs come from the actor itself).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from siirl_dag.runtime.batch import Batch, row_tokens
+from siirl_dag.runtime.context import NodeContext
+from siirl_dag.strategies.base import RankContext
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """Everything a rank needs to run one node (picklable; sent once at set-up)."""
+
+    node: Any  # NodeSpec
+    kind: Any  # NodeKind
+    engine_key: str | None  # "<mesh>/<model>/<strategy>", shared by nodes on the same engine
+    strategy_ref: str | None  # "module:Class" of the engine, resolved by the driver from the registry
+    model: Any  # ModelSpec or None
+    data: Any  # DataSpec
+    tokenizer_path: str | None
+    rank_ctx: RankContext
+    dp_rank: int
+    dp_size: int
+    output_rank: bool  # this rank's outputs stand for its data-parallel group
+
+
+class NodeError(RuntimeError):
+    """A node raised on a rank; carries where and the remote traceback."""
+
+    def __init__(self, node: str, rank: int, host: str, detail: str):
+        self.node, self.rank, self.host, self.detail = node, rank, host, detail
+        super().__init__(f"node '{node}' failed on rank {rank} ({host}):\n{detail}")
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return NodeError, (self.node, self.rank, self.host, self.detail)
+
+
+class RankWorker:
+    def __init__(self, group: str, rank: int, world_size: int, device: str = "cpu", threads: int = 1):
+        self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        import torch
+
+        torch.set_num_threads(threads)
+        self.roles: dict[str, RoleSpec] = {}
+        self.engines: dict[str, Any] = {}
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """This host's address and a free port, for rank 0 to host the process-group rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), port
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        dist.init_process_group("nccl" if self.device == "cuda" else "gloo", rank=self.rank, world_size=self.world_size)
+
+    def add_roles(self, roles: list[RoleSpec]) -> list[str]:
+        """Register roles and build their engines (model loading happens here, once)."""
+        from siirl_dag.registry import import_ref
+
+        for role in roles:
+            self.roles[role.node.id] = role
+        for role in roles:
+            if role.engine_key and role.engine_key not in self.engines:
+                cls = import_ref(role.strategy_ref)
+                self.engines[role.engine_key] = cls(role.rank_ctx, role.model, self._engine_options(role.engine_key))
+        return sorted(self.engines)
+
+    def _engine_options(self, key: str) -> dict:
+        options: dict = {}
+        for role in self.roles.values():
+            if role.engine_key == key:
+                options.update(role.node.options)
+        return options
+
+    # -- work -----------------------------------------------------------------------------------
+    def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int):
+        """Assemble this rank's input from shard pieces, run the node, return (wire, info)."""
+        role = self.roles[node_id]
+        try:
+            batch = _assemble(inputs)
+            ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
+                              tokenizer_path=role.tokenizer_path, step=step, validating=validating, rank=self.rank,
+                              dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed)
+            out = role.kind.fn(batch, ctx) or {}
+            result = _checked(role, batch, out)
+        except Exception:  # noqa: BLE001 - report any failure of user code with where it happened
+            raise NodeError(node_id, self.rank, socket.gethostname(), traceback.format_exc()) from None
+        info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,
+                "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank}
+        return (result.to_wire() if role.output_rank else None), info
+
+    def call_engine(self, engine_key: str, method: str, *args, **kwargs):
+        """Direct engine calls the driver makes outside nodes (weight sync, checkpoints)."""
+        return getattr(self.engines[engine_key], method)(*args, **kwargs)
+
+    def host(self) -> str:
+        return socket.gethostname()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+
+
+def _assemble(inputs: list) -> Batch:
+    """inputs: [(keys, [(wire_or_ref, lo, hi), ...]), ...] -> one Batch with all keys."""
+    batch = None
+    for keys, pieces in inputs:
+        parts = [Batch.from_wire(_resolve(ref)).only(keys).slice(lo, hi) for ref, lo, hi in pieces]
+        part = Batch.concat(parts) if parts else Batch()
+        batch = part if batch is None else batch.merge(part)
+    return batch if batch is not None else Batch()
+
+
+def _resolve(ref):
+    if isinstance(ref, dict):
+        return ref
+    import ray
+
+    return ray.get(ref)
+
+
+def _checked(role: RoleSpec, batch: Batch, out) -> Batch:
+    """The node must return exactly what its kind declares (input keys may be re-emitted when it expands rows)."""
+    out = out if isinstance(out, Batch) else Batch.from_dict(out)
+    declared = set(role.kind.produced(role.node.params))
+    missing = declared - set(out)
+    extra = set(out) - declared - set(batch)
+    if missing or extra:
+        parts = ([f"did not return declared key(s) {sorted(missing)}"] if missing else []) + \
+                ([f"returned undeclared key(s) {sorted(extra)}"] if extra else [])
+        raise ValueError(f"node '{role.node.id}' (kind {role.kind.name}) " + " and ".join(parts) +
+                         f"; its kind declares {sorted(declared)}")
+    if out.num_rows not in (batch.num_rows, 0) and not (set(out) & set(batch)):
+        raise ValueError(f"node '{role.node.id}' returned {out.num_rows} rows for {batch.num_rows} input rows; "
+                         "a node that changes the row count must re-emit its input keys (ctx.expand)")
+    return out

@@ -1,0 +1,70 @@
+"""Pure-Python node kinds and a trivial engine, registered only in tests, to exercise the runtime."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from siirl_dag.registry import node_kind
+from siirl_dag.strategies.base import Strategy
+
+
+class EchoEngine(Strategy):
+    """Stands in for a strategy: the runtime tests check scheduling and data flow, not models."""
+
+    name = "echo"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@node_kind("t_expand", consumes=("raw_prompt",), produces=("x",), strategies=("megatron",))
+def t_expand(batch, ctx):
+    """n rows per prompt; x = 100 * prompt number + sample index."""
+    n = ctx.params.get("n", 1)
+    index = torch.arange(batch.num_rows).repeat_interleave(n)
+    x = torch.tensor([int(p.split()[-1]) * 100 + i % n for i, p in zip(range(len(index)), [batch["raw_prompt"][j] for j in index])])
+    ctx.metrics["pid/" + ctx.node.id] = ctx.engine.pid()
+    return ctx.expand(index, {"x": x.float()})
+
+
+@node_kind("t_scale", consumes=("x",), produces=lambda p: (p.get("out", "y"),), strategies=("megatron",))
+def t_scale(batch, ctx):
+    """out = x * factor (+ seeded noise when asked); records its own wall-clock span."""
+    start = time.time()
+    time.sleep(ctx.params.get("sleep", 0))
+    y = batch["x"] * ctx.params.get("factor", 2)
+    if ctx.params.get("noise"):
+        y = y + torch.rand(y.shape, generator=ctx.generator)
+    ctx.metrics[f"span/{ctx.node.id}"] = (start, time.time())
+    ctx.metrics[f"rows/{ctx.node.id}/dp{ctx.dp_rank}"] = batch.num_rows
+    ctx.metrics["pid/" + ctx.node.id] = ctx.engine.pid()
+    return {ctx.params.get("out", "y"): y}
+
+
+@node_kind("t_join", consumes=lambda p: tuple(p["keys"]), produces=("s",))
+def t_join(batch, ctx):
+    """s = sum of the given keys (a compute node, beside the driver)."""
+    return {"s": sum(batch[k] for k in ctx.params["keys"])}
+
+
+@node_kind("t_fail", consumes=("x",), produces=("z",))
+def t_fail(batch, ctx):
+    raise ValueError("boom: the test node failed on purpose")
+
+
+@node_kind("t_flaky", consumes=("x",), produces=("z",), strategies=("megatron",))
+def t_flaky(batch, ctx):
+    """Kills its own process on the first call (a dead actor), works after a restart."""
+    marker = ctx.params["marker"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    return {"z": batch["x"] + 1}
+
+
+@node_kind("t_liar", consumes=("x",), produces=("z",))
+def t_liar(batch, ctx):
+    return {"w": batch["x"]}

@@ -1,0 +1,191 @@
+"""Parquet prompt data: schema checks at load, and a seeded loader that resumes exactly."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from siirl_dag.data import PromptDataset, PromptLoader
+from siirl_dag.errors import ConfigError
+
+
+def write(path, **columns):
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def verl_file(tmp_path, n=10, name="train.parquet"):
+    return write(tmp_path / name,
+                 prompt=[f"Q: {i}+1=? A:" for i in range(n)],
+                 data_source=["demo/arith"] * n,
+                 reward_model=[{"style": "rule", "ground_truth": str(i + 1)} for i in range(n)],
+                 extra_info=[{"split": "train", "index": i} for i in range(n)])
+
+
+def test_loads_verl_layout_and_chat_prompts(tmp_path):
+    a = verl_file(tmp_path, n=3)
+    b = write(tmp_path / "chat.parquet",
+              question=[[{"role": "user", "content": "hi"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2"}]],
+              data_source=["openai/gsm8k"] * 2, ground_truth=["1", "4"])
+    ds = PromptDataset([a], "prompt")
+    assert len(ds) == 3
+    assert ds[1] == {"raw_prompt": "Q: 1+1=? A:", "data_source": "demo/arith", "ground_truth": "2",
+                     "extra_info": {"split": "train", "index": 1}, "index": 1}
+    chat = PromptDataset(b, prompt_key="question")
+    assert chat[1]["raw_prompt"][1] == {"role": "user", "content": "2+2"}
+    assert chat[1]["extra_info"] == {} and chat[1]["ground_truth"] == "4"
+
+
+def test_index_runs_over_all_files(tmp_path):
+    ds = PromptDataset([verl_file(tmp_path, 3, "a.parquet"), verl_file(tmp_path, 2, "b.parquet")])
+    assert [r["index"] for r in ds.rows] == [0, 1, 2, 3, 4]
+    assert ds[3]["raw_prompt"] == "Q: 0+1=? A:"
+
+
+def test_bad_rows_reported_together_with_file_row_and_column(tmp_path):
+    path = write(tmp_path / "bad.parquet",
+                 prompt=["ok", None, "", "ok"],
+                 data_source=["gsm8k", "gsm8k", "gsm8k", None],
+                 reward_model=[{"ground_truth": "1"}, {"ground_truth": "2"}, {"ground_truth": "3"}, {"ground_truth": None}])
+    with pytest.raises(ConfigError) as err:
+        PromptDataset(path)
+    lines = str(err.value).splitlines()
+    assert lines == [
+        f"{path}: rows[1].prompt: is null; expected a non-empty string or a chat list of {{role, content}} messages",
+        f"{path}: rows[2].prompt: is an empty string; expected a non-empty string or a chat list of {{role, content}} messages",
+        f"{path}: rows[3].data_source: is null or empty; expected the name of the data set",
+        f"{path}: rows[3].reward_model.ground_truth: is null or empty; expected the reference answer",
+    ]
+
+
+def test_bad_columns(tmp_path):
+    path = write(tmp_path / "cols.parquet", text=[1, 2], data_source=["x", "y"], ground_truth=["1", "2"])
+    with pytest.raises(ConfigError, match=r"prompt: column is missing \(columns: text, data_source, ground_truth\)"):
+        PromptDataset(path)
+    with pytest.raises(ConfigError, match="text: has type int64; expected a non-empty string or a chat list"):
+        PromptDataset(path, prompt_key="text")
+    no_truth = write(tmp_path / "nt.parquet", prompt=["a"], data_source=["x"])
+    with pytest.raises(ConfigError, match="ground_truth: column is missing; expected reward_model.ground_truth or ground_truth"):
+        PromptDataset(no_truth)
+    bad_chat = write(tmp_path / "chat.parquet", prompt=[[{"role": "user", "content": None}]], data_source=["x"], ground_truth=["1"])
+    with pytest.raises(ConfigError, match=r"rows\[0\].prompt: message 0 lacks a string 'role' or 'content'"):
+        PromptDataset(bad_chat)
+
+
+def test_missing_or_unreadable_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.train_files\[1\]: data file '.*nope.parquet' does not exist"):
+        PromptDataset([verl_file(tmp_path), str(tmp_path / "nope.parquet")], config_path=("data", "train_files"))
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("not parquet")
+    with pytest.raises(ConfigError, match="is not readable parquet"):
+        PromptDataset(str(junk))
+
+
+def ids(batches):
+    return [[r["index"] for r in b] for b in batches]
+
+
+def test_shuffle_is_seeded_per_epoch_and_ignores_global_rng(tmp_path):
+    ds = PromptDataset(verl_file(tmp_path, n=10))
+    np.random.seed(1)
+    first = ids(PromptLoader(ds, batch_size=3, seed=5))
+    np.random.seed(2)
+    again = ids(PromptLoader(ds, batch_size=3, seed=5))
+    assert first == again
+    assert len(first) == 3 and all(len(b) == 3 for b in first)  # drop_last: 9 of 10 rows
+    assert len({i for b in first for i in b}) == 9
+    assert first != ids(PromptLoader(ds, batch_size=3, seed=6))
+    loader = PromptLoader(ds, batch_size=3, seed=5)
+    epoch0, epoch1 = ids(loader), ids(loader)
+    assert epoch0 == first and epoch1 != epoch0 and loader.epoch == 2
+
+
+def test_no_shuffle_keeps_last_partial_batch(tmp_path):
+    loader = PromptLoader(PromptDataset(verl_file(tmp_path, n=5)), batch_size=2, shuffle=False, drop_last=False)
+    assert len(loader) == 3
+    assert ids(loader) == [[0, 1], [2, 3], [4]]
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 4, 7])  # mid-epoch, epoch boundary, across epochs
+def test_resume_continues_exactly(tmp_path, stop_after):
+    ds = PromptDataset(verl_file(tmp_path, n=13))  # 4 batches of 3 per epoch, one row dropped
+    uninterrupted = PromptLoader(ds, batch_size=3, seed=11)
+    reference = ids(uninterrupted.next_batch() for _ in range(10))
+
+    first = PromptLoader(ds, batch_size=3, seed=11)
+    seen = ids(first.next_batch() for _ in range(stop_after))
+    state = first.state_dict()
+    resumed = PromptLoader(ds, batch_size=3, seed=11)
+    resumed.load_state_dict(dict(state))
+    seen += ids(resumed.next_batch() for _ in range(10 - stop_after))
+    assert seen == reference
+
+
+def test_resume_refuses_other_data_or_seed(tmp_path):
+    state = PromptLoader(PromptDataset(verl_file(tmp_path, n=10)), batch_size=2, seed=1).state_dict()
+    other = PromptLoader(PromptDataset(verl_file(tmp_path, n=12, name="b.parquet")), batch_size=2, seed=1)
+    with pytest.raises(ConfigError, match="num_rows 10 then, 12 now"):
+        other.load_state_dict(state)
+    reseeded = PromptLoader(PromptDataset(verl_file(tmp_path, n=10, name="c.parquet")), batch_size=2, seed=2)
+    with pytest.raises(ConfigError, match="seed 1 then, 2 now"):
+        reseeded.load_state_dict(state)
+
+
+def test_too_few_rows_for_one_batch(tmp_path):
+    with pytest.raises(ConfigError, match="3 rows, fewer than one batch of 4"):
+        PromptLoader(PromptDataset(verl_file(tmp_path, n=3)), batch_size=4)
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def run_script(*args):
+    return subprocess.run([sys.executable, str(SCRIPTS / args[0]), *map(str, args[1:])], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def test_convert_gsm8k_jsonl_and_hf_parquet(tmp_path):
+    rows = [{"question": "Tom has 3 apples and buys 1,000 more. How many?", "answer": "3 + 1000 = 1003\n#### 1,003"},
+            {"question": "What is 2-5?", "answer": "#### -3"}]
+    jsonl = tmp_path / "jsonl"
+    jsonl.mkdir()
+    for split in ("train", "test"):
+        (jsonl / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (jsonl / f"{split}_socratic.jsonl").write_text("not json")  # must be ignored
+    hf = tmp_path / "hf" / "main"
+    hf.mkdir(parents=True)
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(rows), hf / f"{split}-00000-of-00001.parquet")
+    for src in (jsonl, tmp_path / "hf"):
+        out = tmp_path / f"out_{src.name}"
+        assert "train: 2 rows test: 2 rows" in run_script("convert_gsm8k.py", src, out)
+        ds = PromptDataset(str(out / "test.parquet"))
+        assert [r["ground_truth"] for r in ds.rows] == ["1003", "-3"]
+        assert ds[0]["data_source"] == "openai/gsm8k"
+        message = ds[0]["raw_prompt"][0]
+        assert message["role"] == "user" and message["content"].startswith("Tom has 3 apples")
+        assert '"####"' in message["content"]
+
+
+def test_convert_gsm8k_without_data_fails_clearly(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPTS / "convert_gsm8k.py"), str(tmp_path), str(tmp_path / "o")],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "no train" in result.stderr
+
+
+def test_demo_task_data(tmp_path):
+    run_script("make_demo_task.py", tmp_path, "--data-only", "--seed", 3)
+    train, test = PromptDataset(str(tmp_path / "train.parquet")), PromptDataset(str(tmp_path / "test.parquet"))
+    assert (len(train), len(test)) == (9800, 200)
+    questions = {r["raw_prompt"] for r in train.rows}
+    assert not questions & {r["raw_prompt"] for r in test.rows}  # held-out pairs
+    row = test[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["raw_prompt"] == f"Q: {a}+{b}=? A:" and row["ground_truth"] == str(a + b)
+    assert row["data_source"] == "demo/arith" and 0 <= a <= 99 and 0 <= b <= 99
+    assert "exist, skipped" in run_script("make_demo_task.py", tmp_path, "--data-only")

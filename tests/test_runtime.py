@@ -1,0 +1,185 @@
+"""The runtime with pure-Python test kinds on real Ray: order, overlap, fan-out, resharding,
+colocation, failures, retry, teardown, and local == Ray."""
+
+from __future__ import annotations
+
+import textwrap
+
+import psutil
+import pytest
+import torch
+
+import runtime_kinds  # noqa: F401 - registers the t_* kinds
+from siirl_dag.config import load_pipeline
+from siirl_dag.registry import STRATEGIES
+from siirl_dag.runtime import Batch, PipelineError, Runtime
+
+HEAD = """\
+name: rt
+cluster: {nodes: 1, devices_per_node: 6, device: cpu}
+models: {m: {path: unused}}
+data: {train_files: unused.parquet, train_batch_size: 4}
+runtime: {backend: ray, cpus_per_rank: 0.25}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    import ray
+
+    from siirl_dag.runtime.backends import init_ray
+
+    init_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def echo_engine(monkeypatch):
+    monkeypatch.setitem(STRATEGIES, "megatron", "runtime_kinds:EchoEngine")
+
+
+def pipeline(tmp_path, body, *overrides):
+    f = tmp_path / "p.yaml"
+    f.write_text(HEAD + textwrap.dedent(body))
+    return load_pipeline(f, list(overrides))
+
+
+def prompts(k):
+    return Batch(meta={"raw_prompt": [f"prompt {i}" for i in range(k)], "uid": [str(i) for i in range(k)]})
+
+
+def test_concurrent_branches_fan_out_and_order(tmp_path):
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d1", b: "megatron:d2", c: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m, params: {n: 2}}
+          - {id: left, kind: t_scale, deps: [gen], mesh: b, model: m, params: {sleep: 1.0, out: y}}
+          - {id: right, kind: t_scale, deps: [gen], mesh: c, model: m, params: {sleep: 1.0, factor: 3, out: z}}
+          - {id: join, kind: t_join, deps: [left, right, gen], params: {keys: [x, y, z]}}
+        """)
+    with Runtime(pipe) as rt:
+        res = rt.run_step(prompts(4), step=0)
+        s = rt.gather(res.outputs["join"], ["s"])["s"]
+    x = torch.tensor([100.0 * i + j for i in range(4) for j in range(2)])
+    assert torch.equal(s, x + 2 * x + 3 * x)  # fan-out: gen's x read by left, right and join
+    (l0, l1), (r0, r1) = res.metrics["span/left"], res.metrics["span/right"]
+    assert max(l0, r0) < min(l1, r1), "independent branches on disjoint meshes must overlap"
+    assert res.spans["gen"][1] <= min(res.spans["left"][0], res.spans["right"][0])
+    assert res.spans["join"][0] >= max(res.spans["left"][1], res.spans["right"][1])
+
+
+def test_resharding_between_dp_sizes_with_uneven_rows(tmp_path):
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d1", b: "megatron:d2", c: "megatron:d3"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m}
+          - {id: two, kind: t_scale, deps: [gen], mesh: b, model: m, params: {out: y}}
+          - {id: three, kind: t_scale, deps: [gen], mesh: c, model: m, params: {factor: 5, out: z}}
+          - {id: join, kind: t_join, deps: [two, three, gen], params: {keys: [y, z]}}
+        """)
+    with Runtime(pipe) as rt:
+        res = rt.run_step(prompts(7), step=0)
+        s = rt.gather(res.outputs["join"], ["s"])["s"]
+    x = torch.tensor([100.0 * i for i in range(7)])
+    assert torch.equal(s, 7 * x), "rows must keep their global order through dp 1 -> 2/3 -> 1"
+    assert sorted(res.metrics[f"rows/three/dp{d}"] for d in range(3) if f"rows/three/dp{d}" in res.metrics)
+    assert len(res.outputs["two"].shards) == 2 and len(res.outputs["three"].shards) == 3
+    assert sum(s.stop - s.start for s in res.outputs["three"].shards) == 7
+
+
+def test_colocated_meshes_share_processes(tmp_path):
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d1", b: {alloc: "megatron:d1", colocate_with: a}, c: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m}
+          - {id: same, kind: t_scale, deps: [gen], mesh: b, model: m}
+          - {id: other, kind: t_scale, deps: [gen], mesh: c, model: m, params: {out: z}}
+        """)
+    with Runtime(pipe) as rt:
+        res = rt.run_step(prompts(2), step=0)
+    assert res.metrics["pid/gen"] == res.metrics["pid/same"] != res.metrics["pid/other"]
+
+
+def _alive(pids):
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d2"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m}
+          - {id: bad, kind: t_fail, deps: [gen]}
+        """)
+    rt = Runtime(pipe)
+    rt.start(progress=lambda *_: None)
+    pids = [rt.backend.get(rt.backend.call(w, "pid")) for ws in rt.workers.values() for w in ws]
+    with pytest.raises(PipelineError) as info:
+        rt.run_step(prompts(2), step=3)
+    rt.shutdown()
+    msg = str(info.value)
+    assert "step 3: node 'bad' failed on rank 0 (host " in msg and "ValueError: boom" in msg and "Traceback" in msg
+    import time
+
+    deadline = time.time() + 10
+    while _alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pids), "every worker process must be gone after shutdown"
+
+
+def test_undeclared_output_is_an_error(tmp_path):
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m}
+          - {id: liar, kind: t_liar, deps: [gen]}
+        """)
+    with Runtime(pipe) as rt, pytest.raises(PipelineError, match=r"did not return declared key\(s\) \['z'\] and returned undeclared key\(s\) \['w'\]"):
+        rt.run_step(prompts(2), step=0)
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_retry_restarts_a_dead_actor(tmp_path, retries):
+    marker = tmp_path / "marker"
+    pipe = pipeline(tmp_path, f"""
+        meshes: {{a: "megatron:d1", b: "megatron:d1"}}
+        nodes:
+          - {{id: gen, kind: t_expand, mesh: a, model: m}}
+          - {{id: flaky, kind: t_flaky, deps: [gen], mesh: b, model: m, retry_limit: {retries}, params: {{marker: "{marker}"}}}}
+        """)
+    with Runtime(pipe) as rt:
+        if retries:
+            res = rt.run_step(prompts(3), step=0)
+            assert torch.equal(rt.gather(res.outputs["flaky"], ["z"])["z"], torch.tensor([1.0, 101.0, 201.0]))
+        else:
+            with pytest.raises(PipelineError, match="node 'flaky' failed"):
+                rt.run_step(prompts(3), step=0)
+
+
+def test_local_and_ray_give_identical_results(tmp_path):
+    body = """
+        meshes: {a: "megatron:d1", b: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m, params: {n: 3}}
+          - {id: noisy, kind: t_scale, deps: [gen], mesh: b, model: m, params: {noise: true}}
+          - {id: join, kind: t_join, deps: [noisy, gen], params: {keys: [x, y]}}
+        """
+    results = []
+    for backend in ("local", "ray"):
+        with Runtime(pipeline(tmp_path, body, f"runtime.backend={backend}")) as rt:
+            res = [rt.run_step(prompts(4), step=s) for s in range(2)]
+            results.append([rt.gather(r.outputs["join"], ["s"])["s"] for r in res])
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not torch.equal(results[0][0], results[0][1]), "steps draw different noise"
+
+
+def test_local_backend_refuses_multi_rank_meshes(tmp_path):
+    from siirl_dag.errors import ConfigError
+
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d2"}
+        nodes: [{id: gen, kind: t_expand, mesh: a, model: m}]
+        """, "runtime.backend=local")
+    with pytest.raises(ConfigError, match="mesh 'a' of node 'gen' has several ranks; use runtime.backend=ray"):
+        Runtime(pipe).start()

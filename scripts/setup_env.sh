@@ -28,7 +28,7 @@ if [ "$FLAVOUR" = cpu ]; then
   $PIP uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 
-# 4. Graphviz's `dot` renders `visualize` to SVG/PNG (optional: .dot/.mmd/.html work without it).
+# 4. Graphviz's `dot` renders `visualize` to SVG/PNG (optional: .dot and .mmd work without it).
 if ! command -v dot >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get install -y -q graphviz >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1)) \

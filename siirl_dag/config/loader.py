@@ -15,7 +15,8 @@ from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, 
 from siirl_dag.config.yaml_loader import load_yaml
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
-from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation, place
+from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
+from siirl_dag.placement import place as place_meshes
 from siirl_dag.registry import STRATEGIES, NodeKind, resolve_kind
 
 
@@ -181,8 +182,8 @@ def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
     return problems
 
 
-def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool = False) -> Pipeline:
-    """Read, check and place a pipeline. Raises ConfigError with every problem, located."""
+def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool = False, place: bool = True) -> Pipeline:
+    """Read, check and (unless place=False) place a pipeline. Raises ConfigError with every problem, located."""
     file = str(path)
     doc, positions = load_yaml(path)
     touched: dict = {}
@@ -231,9 +232,9 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     )
     problems += check_data_flow(graph, pipe.consumes, pipe.produces)
     problems += _check_weights_from(nodes, pipe.kinds)
-    if not _errors(problems) and meshes:
+    if place and not _errors(problems) and meshes:
         try:
-            pipe.plan = place(pipe.cluster, _mesh_requests(pipe, components))
+            pipe.plan = place_meshes(pipe.cluster, _mesh_requests(pipe, components))
             problems += pipe.plan.warnings
         except ConfigError as exc:
             problems += exc.problems

@@ -1,0 +1,47 @@
+"""`visualize`: draw a pipeline's graph or placement into a file; the extension picks the format.
+
+A pipeline whose only errors come from placement (too few devices, options that do not fit a
+mesh) still gets its graph drawn, those errors shown as warnings: the picture helps fix them.
+The placement view has nothing to draw then, so it fails like `validate`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+from siirl_dag.config import Pipeline, load_pipeline
+from siirl_dag.errors import ConfigError
+from siirl_dag.visualize import output_format, write
+
+
+def _load(args) -> Pipeline:
+    try:
+        return load_pipeline(args.pipeline, args.overrides)
+    except ConfigError as exc:
+        # `place=False` (load_pipeline's keyword that skips placement) is what lets the graph be drawn anyway.
+        if args.view == "placement":
+            raise
+        try:
+            pipe = load_pipeline(args.pipeline, args.overrides, place=False)
+        except ConfigError:
+            raise exc from None  # not only placement: exactly what `validate` reports
+        unplaced = [replace(p, severity="warning", message=f"{p.message} (drawn without placement)")
+                    for p in exc.problems if p.severity == "error"]
+        pipe.warnings = unplaced + pipe.warnings
+        return pipe
+
+
+def main(args) -> int:
+    fmt = output_format(args.output)
+    pipe = _load(args)
+    path = write(pipe, args.output, args.view)
+    if args.json:
+        print(json.dumps({"output": str(path), "format": fmt, "view": args.view, "placed": pipe.plan is not None,
+                          "warnings": [w.to_json() for w in pipe.warnings]}, indent=2))
+        return 0
+    for w in pipe.warnings:
+        print(str(w), file=sys.stderr)
+    print(f"wrote {path} ({args.view} view, .{fmt})")
+    return 0

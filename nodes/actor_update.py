@@ -31,17 +31,18 @@ def _check(node, pipeline):
            trains=True, check=_check)
 def actor_update(batch, ctx):
     """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus)."""
-    from functools import partial
-
     from nodes.algos.losses import ppo_actor_loss
 
     p = ctx.params
-    loss_fn = partial(ppo_actor_loss, clip_ratio_low=p["clip_ratio_low"], clip_ratio_high=p["clip_ratio_high"],
-                      clip_ratio_c=p["clip_ratio_c"], loss_agg_mode=p["loss_agg_mode"],
-                      entropy_coeff=p["entropy_coeff"], use_kl_loss=p["use_kl_loss"],
-                      kl_loss_coef=p["kl_loss_coef"], kl_loss_type=p["kl_loss_type"])
-    n = len(batch) // ctx.prompts_in(batch)
-    metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * n // ctx.dp_size,
-                               epochs=p["epochs"], temperature=p["temperature"])
-    ctx.metrics.update(metrics)
+
+    def loss_fn(logprobs, entropy, mb):
+        return ppo_actor_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], entropy=entropy,
+                              ref_logprobs=mb.get("ref_logprobs"), clip_ratio_low=p["clip_ratio_low"],
+                              clip_ratio_high=p["clip_ratio_high"], clip_ratio_c=p["clip_ratio_c"],
+                              loss_agg_mode=p["loss_agg_mode"], entropy_coeff=p["entropy_coeff"],
+                              use_kl_loss=p["use_kl_loss"], kl_loss_coef=p["kl_loss_coef"], kl_loss_type=p["kl_loss_type"])
+
+    metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * ctx.samples_per_prompt,
+                               micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"])
+    ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
     return {}

@@ -11,10 +11,17 @@ def _consumes(params):
 
 @node_kind("advantage", consumes=_consumes, produces=("advantages", "returns"), params_schema="advantage")
 def advantage(batch, ctx):
-    """Compute advantages and returns with the estimator named in params."""
-    from nodes.algos.advantages import ESTIMATORS
+    """Advantages and returns with the estimator named in params (each takes only its own params)."""
+    import inspect
 
-    p = dict(ctx.params)
-    estimator = ESTIMATORS[p.pop("estimator")]
-    advantages, returns = estimator(batch, **p)
-    return {"advantages": advantages, "returns": returns}
+    from nodes.algos.advantages import ESTIMATORS, compute_advantage
+    from nodes.algos.metrics import batch_metrics
+
+    name = ctx.params["estimator"]
+    takes = inspect.signature(ESTIMATORS[name]).parameters
+    params = {k: v for k, v in ctx.params.items() if k in takes}
+    advantages, returns = compute_advantage(name, batch["token_level_rewards"], batch["response_mask"],
+                                            index=batch["uid"], values=batch.get("values"), **params)
+    out = {"advantages": advantages, "returns": returns}
+    ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"]}))
+    return out

@@ -12,8 +12,7 @@ def _produces(params):
 @node_kind("logprob", consumes=INPUTS, produces=_produces, strategies=("megatron",), params_schema="logprob")
 def logprob(batch, ctx):
     """Forward only; writes `params.output` (old_logprobs or ref_logprobs)."""
-    out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"],
-                                      return_entropy=ctx.params["return_entropy"])
+    out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"], return_entropy=ctx.params["return_entropy"])
     result = {ctx.params["output"]: out["logprobs"]}
     if ctx.params["return_entropy"]:
         result["entropy"] = out["entropy"]

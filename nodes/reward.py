@@ -12,21 +12,26 @@ def _consumes(params):
 @node_kind("reward", consumes=_consumes, produces=("token_level_scores", "token_level_rewards"),
            params_schema="reward")
 def reward(batch, ctx):
-    """Score decoded responses; optional KL-in-reward penalty gives token_level_rewards."""
-    from nodes.algos import scorers
-
-    p = ctx.params
-    scorer = scorers.resolve_scorer(p["scorer"]) if p["scorer"] != "auto" else scorers.score
-    texts = ctx.tokenizer.batch_decode(batch["responses"] * batch["response_mask"], skip_special_tokens=True)
-    extra = batch.get("extra_info") or [None] * len(texts)
-    scores = [float(scorer(src, text, gt, info, mode=p["mode"], format_score=p["format_score"]))
-              for src, text, gt, info in zip(batch["data_source"], texts, batch["ground_truth"], extra)]
+    """Score decoded responses; an optional KL-in-reward penalty turns scores into rewards."""
     import torch
 
+    from nodes.algos import scorers
+    from nodes.algos.metrics import batch_metrics
+
+    p = ctx.params
+    scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
+    mask = batch["response_mask"].bool()
+    texts = [ctx.tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(batch["responses"], mask)]
+    extra = batch.get("extra_info") or [None] * len(texts)
+    kwargs = {"method": p["method"], "format_score": p["format_score"]} if p["scorer"] == "auto" else {}
+    scores = [float(scorer(src, text, gt, info, **kwargs))
+              for src, text, gt, info in zip(batch["data_source"], texts, batch["ground_truth"], extra)]
     token_scores = scorers.place_scores(torch.tensor(scores, dtype=torch.float32), batch["response_mask"])
     rewards = token_scores
     if p["kl_coef"] > 0:
         rewards, kl = scorers.apply_kl_penalty(token_scores, batch["old_logprobs"], batch["ref_logprobs"],
                                                batch["response_mask"], p["kl_coef"], p["kl_estimator"])
-        ctx.metrics["actor/reward_kl_penalty"] = float(kl)
-    return {"token_level_scores": token_scores, "token_level_rewards": rewards}
+        ctx.metrics["critic/kl"] = kl
+    out = {"token_level_scores": token_scores, "token_level_rewards": rewards}
+    ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"]}))
+    return out

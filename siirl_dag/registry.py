@@ -43,7 +43,7 @@ _KINDS: dict[str, NodeKind] = {}
 # Strategies: name -> "module:Class"; imported lazily so `validate` never loads vLLM or Megatron.
 STRATEGIES: dict[str, str] = {
     "vllm": "siirl_dag.strategies.vllm:VllmRollout",
-    "megatron": "siirl_dag.strategies.megatron:MegatronEngine",
+    "megatron": "siirl_dag.strategies.megatron.engine:MegatronEngine",
 }
 
 

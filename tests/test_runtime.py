@@ -112,8 +112,8 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
           - {id: gen, kind: t_expand, mesh: a, model: m}
           - {id: bad, kind: t_fail, deps: [gen]}
         """)
-    rt = Runtime(pipe)
-    rt.start(progress=lambda *_: None)
+    rt = Runtime(pipe, progress=lambda *_: None)
+    rt.start()
     pids = [rt.backend.get(rt.backend.call(w, "pid")) for ws in rt.workers.values() for w in ws]
     with pytest.raises(PipelineError) as info:
         rt.run_step(prompts(2), step=3)

@@ -93,6 +93,7 @@ class TrainerSpec:
     experiment_name: str | None
     tensorboard_dir: str | None
     export_hf: bool
+    val_score_key: str
 
 
 @dataclass(frozen=True)

@@ -87,22 +87,25 @@ class Batch(Mapping):
 
     def to_wire(self) -> dict:
         """numpy arrays + lists: cheap to put in, and zero-copy to get out of, the object store."""
-        tensors = {}
-        for key, t in self.tensors.items():
-            t = t.detach().cpu()
-            raw = t.view(_NUMPY_UNSUPPORTED[t.dtype]) if t.dtype in _NUMPY_UNSUPPORTED else t
-            tensors[key] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
-        return {"tensors": tensors, "meta": self.meta}
+        return {"tensors": {k: tensor_to_wire(t) for k, t in self.tensors.items()}, "meta": self.meta}
 
     @classmethod
     def from_wire(cls, wire: dict) -> "Batch":
-        tensors = {}
-        for key, (array, dtype) in wire["tensors"].items():
-            array = np.asarray(array)
-            # object-store arrays are read-only views; nodes may write in place, so own a copy
-            t = torch.from_numpy(array if array.flags.writeable else array.copy())
-            tensors[key] = t.view(getattr(torch, dtype)) if str(t.dtype).removeprefix("torch.") != dtype else t
-        return cls(tensors, wire["meta"])
+        return cls({k: tensor_from_wire(*v) for k, v in wire["tensors"].items()}, wire["meta"])
+
+
+def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """(numpy array, dtype name); bfloat16, which numpy lacks, travels as its raw bits."""
+    t = t.detach().cpu()
+    raw = t.view(_NUMPY_UNSUPPORTED[t.dtype]) if t.dtype in _NUMPY_UNSUPPORTED else t
+    return raw.numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def tensor_from_wire(array, dtype: str) -> torch.Tensor:
+    array = np.asarray(array)
+    # object-store arrays are read-only views; consumers may write in place, so own a copy
+    t = torch.from_numpy(array if array.flags.writeable else array.copy())
+    return t.view(getattr(torch, dtype)) if str(t.dtype).removeprefix("torch.") != dtype else t
 
 
 def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:

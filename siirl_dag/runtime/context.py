@@ -24,6 +24,8 @@ class NodeContext:
     dp_rank: int = 0
     dp_size: int = 1
     seed: int = 0
+    samples_per_prompt: int = 1  # rows per prompt this node sees (product of upstream n)
+    min_weights_version: int = 0  # the oldest weights this node may use (runtime.staleness)
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -44,6 +46,14 @@ class NodeContext:
     def generator(self) -> torch.Generator:
         """An RNG owned by this node, rank and step (vLLM resets the global one)."""
         return torch.Generator().manual_seed(self.seed)
+
+    def check_weights_version(self) -> None:
+        """Refuse to run on weights older than allowed (no silent stale rollouts)."""
+        have = getattr(self.engine, "weights_version", None)
+        if have is not None and have < self.min_weights_version:
+            raise RuntimeError(f"node '{self.node.id}' would generate with weights version {have}, older than "
+                               f"version {self.min_weights_version} (the trainer's minus runtime.staleness); "
+                               "the weight sync did not reach this engine")
 
     def expand(self, index, outputs: dict) -> dict:
         """Repeat input rows by `index` (e.g. n samples per prompt) and add `outputs`: a new row space."""

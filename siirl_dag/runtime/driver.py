@@ -55,14 +55,17 @@ class _Running:
 
 
 class Runtime:
-    def __init__(self, pipeline, address: str | None = None):
-        self.pipe = pipeline
+    def __init__(self, pipeline, address: str | None = None, progress=print):
+        self.pipe, self.progress = pipeline, progress
         backend = pipeline.runtime.backend
         self.backend = RayBackend(pipeline, address) if backend == "ray" else LocalBackend(pipeline)
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
         self.order = list(pipeline.nodes)
         self.attempts: dict[str, int] = {}
+        # weight versions: updates done by each training node, and the version each consumer holds
+        self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
+        self.synced = {n: 0 for n in self.order if pipeline.nodes[n].weights_from}
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -75,8 +78,8 @@ class Runtime:
     def _anchor(self, mesh: str) -> str:
         return self.pipe.plan.meshes[mesh].colocated_with or mesh
 
-    def start(self, progress=print) -> None:
-        pipe = self.pipe
+    def start(self) -> None:
+        pipe, progress = self.pipe, self.progress
         self._check_local()
         self.backend.start()
         for name, mesh in pipe.plan.meshes.items():
@@ -93,7 +96,11 @@ class Runtime:
                 self.roles[node.id].append((worker, role))
         t = time.perf_counter()
         progress(f"[runtime] {self.backend.name}: building engines on {len(per_worker)} worker(s) ...")
-        self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+        try:
+            self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+        except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
+            cause = getattr(exc, "cause", None) or exc
+            raise PipelineError(f"building the engines failed: {cause}") from None
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
     def _check_local(self) -> None:
@@ -120,10 +127,11 @@ class Runtime:
         tokenizer = self._tokenizer_for(node)
         if not node.mesh:
             role = RoleSpec(node, kind, None, None, None, pipe.data, tokenizer,
-                            RankContext(0, 1, "cpu", seed=pipe.trainer.seed), 0, 1, True)
+                            RankContext(0, 1, "cpu", seed=pipe.trainer.seed), 0, 1, True, pipe.samples_per_prompt(node.id))
             return [(self.workers[COMPUTE][0], role)]
         mesh = pipe.plan.meshes[node.mesh]
-        sizes = {**mesh.sizes, "vpp": node.options.get("virtual_pipeline_model_parallel_size") or 1}
+        sizes = {k: mesh.sizes[k] for k in ("dp", "tp", "pp", "cp", "ep", "etp", "edp")}
+        sizes["vpp"] = node.options.get("virtual_pipeline_model_parallel_size") or 1
         key = f"{node.mesh}/{node.model}/{node.strategy}"
         out = []
         for slot in mesh.ranks:
@@ -132,7 +140,7 @@ class Runtime:
             ctx = RankContext(slot.rank, mesh.component.world_size, pipe.cluster.device, slot.local_device,
                               pipe.trainer.seed, sizes)
             role = RoleSpec(node, kind, key, STRATEGIES[node.strategy], pipe.models[node.model], pipe.data, tokenizer,
-                            ctx, c.get("dp", 0), sizes["dp"], output_rank)
+                            ctx, c.get("dp", 0), sizes["dp"], output_rank, pipe.samples_per_prompt(node.id))
             out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
         return out
 
@@ -189,10 +197,14 @@ class Runtime:
     def _dispatch(self, node_id: str, result: StepResult, step: int, validating: bool) -> _Running:
         pipe, outputs = self.pipe, result.outputs
         owners: dict[str, list[str]] = {}
-        for key in pipe.consumes(node_id):
-            if key in SOURCE_KEYS and key not in outputs[SOURCE].keys and self._owner(key, node_id, outputs) == SOURCE:
+        # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
+        # per prompt) re-emits so that later nodes read it in their own row space
+        wanted = list(pipe.consumes(node_id)) + [k for k in SOURCE_KEYS if k not in pipe.consumes(node_id)]
+        for key in wanted:
+            owner = self._owner(key, node_id, outputs)
+            if owner == SOURCE and key not in outputs[SOURCE].keys:
                 continue  # optional data column (extra_info, say) absent from this data set
-            owners.setdefault(self._owner(key, node_id, outputs), []).append(key)
+            owners.setdefault(owner, []).append(key)
         if not owners:  # consumes nothing: sees the row space of its nearest upstream output
             owners[self._owner_of_rows(node_id, outputs)] = []
         space = outputs[next(iter(owners))]
@@ -201,12 +213,14 @@ class Runtime:
         trains = pipe.kinds[node_id].trains
         ranges = equal_ranges(space.rows, dp) if trains else balanced_ranges(space.tokens, dp)
         seed_base = (pipe.trainer.seed * 1_000_003 + step * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
+        src = pipe.nodes[node_id].weights_from
+        min_version = max(0, self.versions[src] - pipe.runtime.staleness) if src else 0
         calls, ranks = [], []
         for worker, role in roles:
             lo, hi = ranges[role.dp_rank]
             inputs = [(keys, pieces(outputs[u].shards, lo, hi)) for u, keys in owners.items()]
             calls.append(self.backend.call(worker, "run", node_id, inputs, step, validating,
-                                           (seed_base + role.rank_ctx.rank) % (2**31), num_returns=2))
+                                           (seed_base + role.rank_ctx.rank) % (2**31), min_version, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
         return _Running(node_id, calls, ranks, time.perf_counter(), remaining)
@@ -235,6 +249,8 @@ class Runtime:
             tokens += info["tokens"] or []
             keys |= set(info["keys"])
         result.outputs[run.node] = NodeOutput(shards, keys, start, tokens)
+        if run.node in self.versions and not validating:
+            self.versions[run.node] += 1
         result.metrics.update(by_dp[0][2]["metrics"] if by_dp else {})
         result.metrics[f"timing_s/{run.node}"] = end - run.started
         result.spans[run.node] = (run.started, end)
@@ -277,7 +293,28 @@ class Runtime:
             self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
         self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
 
+    def sync_weights(self) -> dict:
+        """Bring every `weights_from` consumer up to its trainer's latest version (after a step)."""
+        from siirl_dag import weight_sync
+
+        metrics: dict = {}
+        for dst, have in self.synced.items():
+            src = self.pipe.nodes[dst].weights_from
+            if have < self.versions[src]:
+                metrics.update(weight_sync.sync(self, src, dst, self.versions[src]))
+                self.synced[dst] = self.versions[src]
+        return metrics
+
     # -- results and teardown -------------------------------------------------------------------
+    def collect(self, result: StepResult, keys: Iterable[str]) -> Batch:
+        """Bring named keys of a finished step to the driver, each from the latest output holding it."""
+        batch = None
+        for key in keys:
+            owner = next(n for n in reversed([SOURCE] + self.order) if n in result.outputs and key in result.outputs[n].keys)
+            part = self.gather(result.outputs[owner], [key])
+            batch = part if batch is None else batch.merge(part)
+        return batch if batch is not None else Batch()
+
     def gather(self, output: NodeOutput, keys: Iterable[str] | None = None) -> Batch:
         """Bring a node's output to the driver (validation scores, tests); not used on the hot path."""
         parts = [Batch.from_wire(self.backend.fetch(s.ref)) for s in output.shards]

@@ -33,6 +33,7 @@ class RoleSpec:
     dp_rank: int
     dp_size: int
     output_rank: bool  # this rank's outputs stand for its data-parallel group
+    samples_per_prompt: int = 1
 
 
 class NodeError(RuntimeError):
@@ -81,8 +82,12 @@ class RankWorker:
             self.roles[role.node.id] = role
         for role in roles:
             if role.engine_key and role.engine_key not in self.engines:
-                cls = import_ref(role.strategy_ref)
-                self.engines[role.engine_key] = cls(role.rank_ctx, role.model, self._engine_options(role.engine_key))
+                try:
+                    cls = import_ref(role.strategy_ref)
+                    self.engines[role.engine_key] = cls(role.rank_ctx, role.model, self._engine_options(role.engine_key))
+                except Exception:  # noqa: BLE001 - say which engine on which rank, with the traceback
+                    raise NodeError(f"{role.node.id} (building engine {role.engine_key})", self.rank,
+                                    socket.gethostname(), traceback.format_exc()) from None
         return sorted(self.engines)
 
     def _engine_options(self, key: str) -> dict:
@@ -93,14 +98,15 @@ class RankWorker:
         return options
 
     # -- work -----------------------------------------------------------------------------------
-    def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int):
+    def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int, min_weights_version: int = 0):
         """Assemble this rank's input from shard pieces, run the node, return (wire, info)."""
         role = self.roles[node_id]
         try:
             batch = _assemble(inputs)
             ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
                               tokenizer_path=role.tokenizer_path, step=step, validating=validating, rank=self.rank,
-                              dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed)
+                              dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed,
+                              samples_per_prompt=role.samples_per_prompt, min_weights_version=min_weights_version)
             out = role.kind.fn(batch, ctx) or {}
             result = _checked(role, batch, out)
         except Exception:  # noqa: BLE001 - report any failure of user code with where it happened
@@ -108,6 +114,22 @@ class RankWorker:
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,
                 "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank}
         return (result.to_wire() if role.output_rank else None), info
+
+    # -- weight sync (siirl_dag.weight_sync holds the logic) -----------------------------------
+    def export_weights(self, engine_key: str, bucket_bytes: int):
+        from siirl_dag import weight_sync
+
+        return weight_sync.export_buckets(self.engines[engine_key], self.rank, bucket_bytes, put=_put)
+
+    def import_weights(self, engine_key: str, buckets: list, version: int) -> dict:
+        from siirl_dag import weight_sync
+
+        return weight_sync.import_buckets(self.engines[engine_key], buckets, version, fetch=_resolve)
+
+    def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
+        from siirl_dag import weight_sync
+
+        return weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version)
 
     def call_engine(self, engine_key: str, method: str, *args, **kwargs):
         """Direct engine calls the driver makes outside nodes (weight sync, checkpoints)."""
@@ -141,6 +163,13 @@ def _resolve(ref):
     import ray
 
     return ray.get(ref)
+
+
+def _put(value):
+    """Into the object store when running under Ray; as is in-process."""
+    import ray
+
+    return ray.put(value) if ray.is_initialized() else value
 
 
 def _checked(role: RoleSpec, batch: Batch, out) -> Batch:

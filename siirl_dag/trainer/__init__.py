@@ -1,0 +1,1 @@
+"""The training job around the runtime: data, steps, validation, checkpoints, logging."""

@@ -1,0 +1,139 @@
+"""The training job: data -> DAG step -> weight sync -> logging, validation and checkpoints.
+
+Generic over algorithms: the DAG (nodes/ + the YAML) decides what a step computes; this loop only
+feeds prompts, counts steps and keeps the run resumable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from siirl_dag.data import PromptDataset, PromptLoader
+from siirl_dag.runtime import Batch, Runtime
+from siirl_dag.trainer import checkpoint
+from siirl_dag.trainer.logger import MetricsLogger
+
+
+def _source(rows: list[dict], epoch_tag: str = "") -> Batch:
+    """Data-loader rows -> the batch every step starts from (keys: graph.SOURCE_KEYS)."""
+    return Batch(meta={"raw_prompt": [r["raw_prompt"] for r in rows], "uid": [f"{epoch_tag}{r['index']}" for r in rows],
+                       "data_source": [r["data_source"] for r in rows], "ground_truth": [r["ground_truth"] for r in rows],
+                       "extra_info": [r["extra_info"] for r in rows]})
+
+
+class Trainer:
+    def __init__(self, pipe, address: str | None = None, progress=print):
+        self.pipe, self.address, self.progress = pipe, address, progress
+        t, d = pipe.trainer, pipe.data
+        project, experiment = t.project_name or pipe.name, t.experiment_name or "default"
+        self.out_dir = Path("outputs") / project / experiment
+        self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
+        self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
+        # bad data is bad input: checked here, before any process starts
+        self.train_data = PromptDataset(list(d.train_files), d.prompt_key, config_path=("data", "train_files"))
+        self.val_data = PromptDataset(list(d.val_files), d.prompt_key, config_path=("data", "val_files")) if d.val_files else None
+        self.loader = PromptLoader(self.train_data, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+        self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
+        self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
+        self.resume_from = self._resume_path()
+        self.step = 0
+
+    def _resume_path(self):
+        t = self.pipe.trainer
+        if t.resume_mode == "resume_path":
+            path = Path(t.resume_from_path or "")
+            checkpoint.load_state(path)  # fails early, clearly, on a missing or damaged checkpoint
+            return path
+        return checkpoint.latest(self.ckpt_dir) if t.resume_mode == "auto" else None
+
+    # -- the run --------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        with Runtime(self.pipe, self.address, self.progress) as rt:
+            self.rt = rt
+            if self.resume_from:
+                self._restore(self.resume_from)
+            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
+            history = {}
+            try:
+                t = self.pipe.trainer
+                if self.val_data and t.val_before_train and self.step == 0:
+                    history["val_before"] = self.validate()
+                    log.log(0, history["val_before"], advance=False)
+                while self.step < self.total_steps:
+                    metrics = self.train_step()
+                    self.step += 1
+                    last = self.step == self.total_steps
+                    if self.val_data and ((t.test_freq > 0 and self.step % t.test_freq == 0) or last):
+                        metrics.update(self.validate())
+                        history["val_last"] = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+                    if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
+                        self.save()
+                    log.log(self.step, metrics)
+                if t.export_hf and self.trainers:
+                    self.export_hf()
+            finally:
+                log.close()
+            return history
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        epoch = self.loader.state_dict()["epoch"]
+        result = self.rt.run_step(_source(self.loader.next_batch(), f"e{epoch}-"), self.step)
+        metrics = dict(result.metrics)
+        metrics.update(self.rt.sync_weights())
+        elapsed = time.perf_counter() - t0
+        metrics["timing_s/step"] = elapsed
+        tokens = max((o.tokens for o in result.outputs.values()), key=lambda tk: sum(tk), default=[])
+        metrics["perf/throughput"] = sum(tokens) / elapsed / self.pipe.cluster.total
+        metrics["training/epoch"] = epoch
+        return metrics
+
+    def validate(self) -> dict:
+        """Greedy rollouts over the validation set; mean score per data source."""
+        pipe, key = self.pipe, self.pipe.trainer.val_score_key
+        producer = next((n for n in pipe.nodes if key in pipe.produces(n)), None)
+        if producer is None:
+            return {}
+        import networkx as nx
+
+        wanted = {producer} | nx.ancestors(pipe.graph, producer)
+        size = pipe.data.val_batch_size or len(self.val_data)
+        per_source = defaultdict(list)
+        for start in range(0, len(self.val_data), size):
+            rows = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
+            result = self.rt.run_step(_source(rows, "val-"), self.step, validating=True, nodes=wanted)
+            batch = self.rt.collect(result, [key, "data_source"])
+            for src, score in zip(batch["data_source"], batch[key].sum(dim=-1).tolist()):
+                per_source[src].append(score)
+        return {f"val-core/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"step": self.step, "loader": self.loader.state_dict(), "versions": self.rt.versions,
+                "synced": self.rt.synced}
+
+    def save(self) -> Path:
+        def write_engines(folder: Path) -> None:
+            for node in self.trainers:
+                self.rt.engine_call(node, "save_checkpoint", str((folder / node).resolve()))
+
+        return checkpoint.save(self.ckpt_dir, self.step, self._state(), write_engines, self.pipe.trainer.max_ckpt_to_keep)
+
+    def _restore(self, path: Path) -> None:
+        state = checkpoint.load_state(path)
+        for node in self.trainers:
+            self.rt.engine_call(node, "load_checkpoint", str((path / node).resolve()))
+        self.loader.load_state_dict(state["loader"])
+        self.step = state["step"]
+        self.rt.versions.update(state["versions"])
+        self.rt.synced.update({k: 0 for k in state["synced"]})  # engines restart from the HF weights: resync
+        self.rt.sync_weights()
+        self.progress(f"[trainer] resumed from {path} at step {self.step}")
+
+    def export_hf(self) -> None:
+        for node in self.trainers:
+            folder = (self.out_dir / "hf" / node).resolve()
+            self.rt.engine_call(node, "save_hf", str(folder))
+            self.progress(f"[trainer] exported {node} as Hugging Face safetensors to {folder}")

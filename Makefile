@@ -13,13 +13,14 @@ $(STAMP): setup.cfg pyproject.toml scripts/setup_env.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m siirl_dag.main validate $(DEMO)
+	OMP_NUM_THREADS=1 $(PY) scripts/make_demo_task.py data/demo
+	OMP_NUM_THREADS=1 $(PY) -m siirl_dag.main $(DEMO)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) scripts/bench_validate.py
+	OMP_NUM_THREADS=1 $(PY) scripts/bench.py
 
 clean:
 	rm -rf outputs .pytest_cache

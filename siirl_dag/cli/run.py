@@ -14,8 +14,9 @@ def main(args) -> int:
     pipe = load_pipeline(args.pipeline, args.overrides, for_run=True)
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
-    trainer = Trainer(pipe, address=args.address)
-    print(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print  # --json: stdout holds only the JSON
+    trainer = Trainer(pipe, address=args.address, progress=say)
+    say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
     try:
         history = trainer.fit()
     except PipelineError as exc:
@@ -23,7 +24,7 @@ def main(args) -> int:
         return 1
     before, after = history.get("val_before", {}), history.get("val_last", {})
     for key in sorted(set(before) | set(after)):
-        print(f"[run] {key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
+        say(f"[run] {key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
     if args.json:
         print(json.dumps(history, indent=2))
     return 0

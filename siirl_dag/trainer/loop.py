@@ -55,7 +55,7 @@ class Trainer:
             if self.resume_from:
                 self._restore(self.resume_from)
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
-            history = {}
+            history: dict = {"steps": {}}
             try:
                 t = self.pipe.trainer
                 if self.val_data and t.val_before_train and self.step == 0:
@@ -71,6 +71,7 @@ class Trainer:
                     if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
                         self.save()
                     log.log(self.step, metrics)
+                    history["steps"][self.step] = metrics
                 if t.export_hf and self.trainers:
                     self.export_hf()
             finally:
@@ -134,6 +135,6 @@ class Trainer:
 
     def export_hf(self) -> None:
         for node in self.trainers:
-            folder = (self.out_dir / "hf" / node).resolve()
+            folder = (self.ckpt_dir.parent / "hf" / node).resolve()
             self.rt.engine_call(node, "save_hf", str(folder))
             self.progress(f"[trainer] exported {node} as Hugging Face safetensors to {folder}")

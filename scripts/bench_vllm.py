@@ -1,0 +1,102 @@
+"""Rollout throughput: the `vllm` strategy vs HF transformers `generate`, same tiny model and batch.
+
+Both sample at temperature 1 (the RL setting) from the same prompts and stop at EOS; tokens/s counts
+generated tokens (up to and including EOS). Also reports the engine start time and the time of one in-place weight update.
+
+    python scripts/bench_vllm.py [--prompts 32] [--new-tokens 64] [--threads 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
+    p.add_argument("--hidden-size", type=int, default=128, help="tiny model width (head_dim 32)")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for both engines")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    a = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from make_tiny_model import make_tiny_model
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.vllm import VllmRollout
+
+    torch.set_num_threads(a.threads)
+    rng = random.Random(0)
+    prompts = [f"Q: {rng.randrange(100)}+{rng.randrange(100)}=? A:" for _ in range(a.prompts)]
+    P, R = 32, a.new_tokens
+
+    with tempfile.TemporaryDirectory() as tmp:
+        heads = a.hidden_size // 32
+        model_dir = make_tiny_model(tmp, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=heads,
+                                    num_kv_heads=max(1, heads // 2), intermediate_size=4 * a.hidden_size)
+        engine_start_s, engine = timed(lambda: VllmRollout(
+            RankContext(0, 1), model_dir,
+            {"dtype": "float32", "kv_cache_gb": 0.5, "max_model_len": P + R, "enforce_eager": a.enforce_eager}))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+
+        def vllm_generate():
+            return int(engine.generate(prompts, {"temperature": 1.0, "n": a.n}, P, R)["response_length"].sum())
+
+        def hf_generate():
+            with torch.no_grad():
+                out = model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                     max_new_tokens=R, num_return_sequences=a.n,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            # generated tokens up to and including EOS (HF pads finished rows but keeps computing them)
+            return int((out[:, batch["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum())
+
+        # Interleaved, best of `repeats` after a warm-up: the fairest reading on a shared machine.
+        vllm_generate(), hf_generate()
+        runs = [(timed(vllm_generate), timed(hf_generate)) for _ in range(a.repeats)]
+        vllm_rate, hf_rate = (max(tokens / secs for secs, tokens in (run[i] for run in runs)) for i in (0, 1))
+        weights = load_file(f"{model_dir}/model.safetensors")
+        load_s = min(engine.load_weights(weights.items(), engine.weights_version + 1) for _ in range(a.repeats))
+        engine.close()
+
+    result = {
+        "hidden_size": a.hidden_size, "num_layers": a.num_layers, "prompts": a.prompts, "n": a.n,
+        "new_tokens": R, "threads": a.threads, "enforce_eager": a.enforce_eager,
+        "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate), "speedup": round(vllm_rate / hf_rate, 2),
+        "engine_start_s": round(engine_start_s, 2), "load_weights_s": round(load_s, 4),
+    }
+    if a.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>18}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Batch layout (docs/ARCHITECTURE.md) -> megatron micro batches, and results back.
+
+Prompts are left-padded and responses right-padded. Each row is shifted left so the prompt starts
+at position 0: then a plain causal mask is exact for every real token (right padding is never
+attended by earlier positions), which works with any attention kernel (local, TE, flash) and
+needs no [s, s] mask. Rows are trimmed to the longest real sequence (rounded to the TP size for sequence parallel).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+
+def rows(value: Any, index: slice | torch.Tensor) -> Any:
+    if torch.is_tensor(value):
+        return value[index]
+    if isinstance(index, slice):
+        return value[index]
+    return [value[i] for i in index.tolist()]
+
+
+def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    attn = batch["attention_mask"]
+    prompt_len = attn.shape[1] - batch["responses"].shape[1]
+    plen = attn[:, :prompt_len].sum(1)
+    rmask = batch.get("response_mask", attn[:, prompt_len:]).to(torch.float32)
+    if bool((plen < 1).any()):
+        raise ValueError("every row needs at least one prompt token (the first response token's context)")
+    return plen, rmask, prompt_len
+
+
+def seq_length(batch: Mapping[str, Any], pad_to: int = 1) -> int:
+    """Longest real (prompt + response) length, rounded up to a multiple of `pad_to`."""
+    plen, rmask, _ = _lengths(batch)
+    seq = int((plen + rmask.sum(1)).max())
+    return -(-seq // pad_to) * pad_to
+
+
+def align(batch: Mapping[str, Any], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids/position_ids [B, seq] of left-aligned rows, and where response tokens are predicted.
+
+    `logit_index[i, j]` is the position whose logits predict response token j of row i
+    (prompt_len_i + j - 1); `response_mask` marks the tokens to keep.
+    """
+    plen, rmask, prompt_len = _lengths(batch)
+    input_ids = batch["input_ids"]
+    total, resp_len = input_ids.shape[1], batch["responses"].shape[1]
+    pos = torch.arange(seq)
+    src = pos[None, :] + (prompt_len - plen)[:, None]
+    ids = input_ids.gather(1, src.clamp(max=total - 1))
+    ids = torch.where(src < total, ids, torch.full_like(ids, pad_id))
+    logit_index = (plen[:, None] - 1 + torch.arange(resp_len)[None, :]).clamp(max=seq - 1)
+    return {
+        "input_ids": ids,
+        "position_ids": pos.expand_as(ids).contiguous(),
+        "logit_index": logit_index,
+        "response_mask": rmask,
+    }
+
+
+def micro_batches(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], size: int) -> list[dict[str, Any]]:
+    """Split rows into micro batches of `size`: the caller's keys plus the aligned tensors."""
+    n = aligned["input_ids"].shape[0]
+    out = []
+    for start in range(0, n, size):
+        sl = slice(start, start + size)
+        mb = {k: rows(v, sl) for k, v in batch.items()}
+        mb.update({f"_{k}": v[sl] for k, v in aligned.items()})
+        out.append(mb)
+    return out
+
+
+def iterate(mbs: list[dict[str, Any]], copies: int) -> list[Iterator[dict[str, Any]]] | Iterator[dict[str, Any]]:
+    """megatron's data_iterator: one iterator, or one per model chunk with virtual pipelining."""
+    return [iter(mbs) for _ in range(copies)] if copies > 1 else iter(mbs)

@@ -1,0 +1,110 @@
+"""Checkpoints: megatron dist_checkpointing (reshardable: save at one mesh, load at another) for
+resume, and HF safetensors for users.
+
+dist_checkpointing's writer may start a spawn-based manager: scripts that save must guard their
+entry point with `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from siirl_dag.strategies.megatron.hf_convert import HFSpec, export_hf
+
+# Reshardable layouts: the distributed optimizer's state is saved per parameter (not per DP
+# buffer), so a checkpoint moves between TP/PP/DP sizes.
+_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+_OPTIMIZER_MARK = "siirl_has_optimizer"
+
+
+def _sharded(chunks: list[torch.nn.Module], state: Any, loading: bool) -> dict[str, Any]:
+    # One sub-dict per chunk: sharded keys carry global layer numbers, so chunking (VPP) may
+    # differ between save and load.
+    model = {f"chunk{i}": c.sharded_state_dict(metadata=_METADATA) for i, c in enumerate(chunks)}
+    sd: dict[str, Any] = {"model": model}
+    if state is not None:
+        sd["optimizer"] = state.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_METADATA)
+        sd["scheduler"] = state.scheduler.state_dict()
+    return sd
+
+
+def save(chunks: list[torch.nn.Module], state: Any, directory: str) -> None:
+    """Model (and optimizer + LR schedule once training started) of every rank into `directory`."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(chunks, state, loading=False), directory,
+                            content_metadata={_OPTIMIZER_MARK: state is not None})
+
+
+def has_optimizer(directory: str) -> bool:
+    from megatron.core import dist_checkpointing
+
+    return bool((dist_checkpointing.load_content_metadata(directory) or {}).get(_OPTIMIZER_MARK))
+
+
+def load(chunks: list[torch.nn.Module], state: Any, directory: str) -> None:
+    """Load into this rank's shards, resharding from whatever mesh saved the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    if state is not None and not has_optimizer(directory):
+        state = None
+    loaded = dist_checkpointing.load(_sharded(chunks, state, loading=True), directory)
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+    if state is not None:
+        state.optimizer.load_state_dict(loaded["optimizer"])
+        state.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def save_hf(chunks: list[torch.nn.Module], spec: HFSpec, directory: str,
+            max_shard_bytes: int = 4 << 30) -> None:
+    """An HF model directory (safetensors + the source's config/tokenizer files), written by rank 0.
+
+    Collective: every rank iterates the export; rank 0 streams it into shards of at most
+    `max_shard_bytes`.
+    """
+    from safetensors.torch import save_file
+
+    writer = dist.get_rank() == 0
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+    files: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in export_hf(chunks, spec):
+        if not writer:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append({})
+            size = 0
+        files[-1][name] = tensor.cpu().contiguous()
+        size += nbytes
+    if writer:
+        _write_dir(files, spec, directory, save_file)
+    dist.barrier()
+
+
+def _write_dir(files: list[dict[str, torch.Tensor]], spec: HFSpec, directory: str, save_file) -> None:
+    import json
+
+    names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    for fname, tensors in zip(names, files):
+        save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {}, "weight_map": {k: f for f, t in zip(names, files) for k in t}}
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    for fname in os.listdir(spec.path):  # config, generation config, tokenizer files
+        if not fname.endswith(".safetensors") and fname != "model.safetensors.index.json":
+            src = os.path.join(spec.path, fname)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(directory, fname))

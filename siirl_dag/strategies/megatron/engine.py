@@ -1,0 +1,363 @@
+"""MegatronEngine: log-probs and actor updates of one model node on one rank of its mesh.
+
+Data contract: each rank is given its data-parallel shard of the batch (docs/ARCHITECTURE.md
+layout; ranks of one model-parallel group get the same shard) and every rank returns the result
+for that shard. All work goes through megatron's pipeline schedule (`get_forward_backward_func`),
+so tensor, pipeline (incl. virtual), expert and data parallelism share one code path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from siirl_dag.errors import ConfigError
+from siirl_dag.strategies.base import RankContext, Strategy
+from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, options, optim
+from siirl_dag.strategies.megatron import model as model_lib
+from siirl_dag.strategies.megatron.logprobs import token_logprobs
+
+log = logging.getLogger(__name__)
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tensor, dict]"]
+
+
+def _model_path(model: Any) -> str:
+    if isinstance(model, str):
+        return model
+    if isinstance(model, Mapping) and "path" in model:
+        return model["path"]
+    if getattr(model, "path", None):
+        return model.path
+    raise ConfigError("the megatron strategy needs a model with `path` (an HF model directory)", ("model",))
+
+
+class MegatronEngine(Strategy):
+    name = "megatron"
+
+    def __init__(self, ctx: RankContext, model: Any, options_: dict[str, Any] | None = None):
+        super().__init__(ctx, model, options_ or {})
+        from megatron.core.transformer import TransformerConfig
+
+        self.opts = options.resolve(self.options)
+        self.cuda = ctx.device == "cuda" and torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.mesh = model_lib.resolve_mesh(ctx.sizes, self.opts, ctx.world_size)
+        options.check_device(self.opts, self.mesh.cp, self.cuda, model_lib.use_transformer_engine())
+        if not self.cuda and any(self.opts[k] for k in ("param_offload", "grad_offload", "optimizer_offload")):
+            log.warning("megatron: param/grad/optimizer offload are no-ops on CPU devices (already in host memory)")
+        if self.opts["deterministic"]:
+            torch.use_deterministic_algorithms(True)
+        model_lib.init_parallel(self.mesh, self.opts["seed"])
+        self.spec, shape = model_lib.model_config_kwargs(_model_path(model))
+        self.config = self._transformer_config(TransformerConfig, shape)
+        self.chunks = model_lib.build_model(self.spec, self.config, self.mesh)
+        self.train_state: optim.Trainable | None = None
+        self._offloaded = False
+
+    # ---------------------------------------------------------------- setup
+    def _transformer_config(self, cls, shape: dict[str, Any]):
+        o, m = self.opts, self.mesh
+        dtype = torch.bfloat16 if o["bf16"] else torch.float32
+        recompute = o["recompute_granularity"]
+        kw = dict(
+            shape,
+            tensor_model_parallel_size=m.tp,
+            pipeline_model_parallel_size=m.pp,
+            virtual_pipeline_model_parallel_size=m.vpp if m.vpp > 1 else None,
+            context_parallel_size=m.cp,
+            expert_model_parallel_size=m.ep,
+            expert_tensor_parallel_size=m.etp,
+            sequence_parallel=o["sequence_parallel"] and m.tp > 1,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=o["bf16"],
+            recompute_granularity=recompute,
+            recompute_method=(o["recompute_method"] or "uniform") if recompute == "full" else None,
+            recompute_num_layers=(o["recompute_num_layers"] or 1) if recompute == "full" else None,
+            deterministic_mode=o["deterministic"],
+            # Interleaved 1F1B with pp=2 sends activations and grads to the same peer in one batch,
+            # which can pair them up crosswise; megatron's training loop uses split p2p ops there.
+            overlap_p2p_comm=m.vpp > 1,
+            batch_p2p_comm=m.vpp == 1,
+            # Weights come from the HF checkpoint, but megatron only tags TP-sharded weights
+            # (which grad-norm and checkpoint code rely on) in its init path: keep it on.
+            perform_initialization=True,
+        )
+        if self.spec.num_experts:
+            kw.update(moe_token_dispatcher_type=o["moe_token_dispatcher_type"],
+                      moe_grouped_gemm=o["moe_grouped_gemm"], moe_layer_recompute=o["moe_layer_recompute"])
+        try:
+            return cls(**kw)
+        except (AssertionError, ValueError) as e:
+            raise ConfigError(f"megatron-core rejects this model/mesh/options combination: {e}", ("options",))
+
+    def _trainable(self) -> optim.Trainable:
+        if self.train_state is None:
+            self.train_state = optim.build(self.chunks, self.config, self.opts)
+        return self.train_state
+
+    @property
+    def _model(self) -> list:
+        return self.train_state.model if self.train_state else self.chunks
+
+    # --------------------------------------------------------- parallel info
+    def _ps(self):
+        from megatron.core import parallel_state
+
+        return parallel_state
+
+    @property
+    def dp_rank(self) -> int:
+        return self._ps().get_data_parallel_rank(with_context_parallel=True)
+
+    @property
+    def dp_size(self) -> int:
+        return self._ps().get_data_parallel_world_size(with_context_parallel=True)
+
+    def _dp_max(self, *values: int) -> list[int]:
+        """Agree on shapes across DP ranks: expert-parallel collectives span them."""
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ps().get_data_parallel_group(with_context_parallel=True))
+        return t.tolist()
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        ps = self._ps()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            tensor = tensor.to(self.device)
+            dist.broadcast(tensor, src=dist.get_process_group_ranks(group)[-1], group=group)
+        return tensor.cpu()
+
+    # ------------------------------------------------------------- forward
+    def _forward_step(self, loss: Callable, data_iterator: Iterator[dict], model):
+        mb = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+              for k, v in next(data_iterator).items()}
+        out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
+        return out, functools.partial(loss, mb)
+
+    def _response_logprobs(self, mb: dict, logits: torch.Tensor, temperature: float, entropy: bool):
+        """logits [b, s(/cp), V/tp] -> log-probs (and entropy) of the response tokens, [b, R]."""
+        idx, vocab = mb["_logit_index"], self.spec.vocab_size
+        if self.mesh.cp == 1:  # only the response positions go through the vocab-wide softmax
+            picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            lp, ent = token_logprobs(picked, mb["responses"], vocab, temperature, entropy)
+        else:  # this rank's positions, then the whole sequence from every CP rank
+            ids = mb["_input_ids"]
+            labels = context_parallel.local(torch.cat([ids[:, 1:], ids[:, :1]], 1))
+            lp, ent = token_logprobs(logits, labels, vocab, temperature, entropy)
+            lp = context_parallel.gather(lp).gather(1, idx)
+            ent = context_parallel.gather(ent).gather(1, idx) if ent is not None else None
+        mask = mb["_response_mask"]
+        return lp * mask, (ent * mask if ent is not None else None)
+
+    def _run(self, mbs: list[dict], loss: Callable, seq: int, mbs_size: int, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=functools.partial(self._forward_step, loss),
+            data_iterator=batching.iterate(mbs, len(self._model)),
+            model=self._model,
+            num_microbatches=len(mbs),
+            seq_length=seq,
+            micro_batch_size=mbs_size,
+            forward_only=forward_only,
+        )
+
+    def _prepare(self, batch: Mapping[str, Any]) -> tuple[dict, int]:
+        """Align rows to a sequence length all DP ranks agree on (EP collectives span DP)."""
+        pad_to = (self.mesh.tp if self.config.sequence_parallel else 1) * (2 * self.mesh.cp if self.mesh.cp > 1 else 1)
+        seq = self._dp_max(batching.seq_length(batch, pad_to))[0]
+        return batching.align(batch, seq), seq
+
+    def _micro_size(self, requested: int, seq: int, rows: int | None = None) -> int:
+        """With dynamic_micro_batch_tokens: as many rows as fit the token budget at this batch's
+        padded length (a divisor of `rows` for training); otherwise the requested size."""
+        budget = self.opts["dynamic_micro_batch_tokens"]
+        if not budget:
+            return requested
+        size = max(1, budget // seq)
+        if rows is None:
+            return size
+        fits = [d for d in range(1, min(size, rows) + 1) if rows % d == 0]
+        if self.mesh.vpp > 1:
+            fits = [d for d in fits if (rows // d) % self.mesh.pp == 0] or fits
+        return max(fits)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0,
+                         micro_batch_size: int | None = None, return_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding."""
+        n_rows, resp_len = batch["responses"].shape
+        aligned, seq = self._prepare(batch)
+        mbs = self._micro_size(micro_batch_size or self.opts["micro_batch_size"], seq)
+        n_micro = self._dp_max(-(-n_rows // mbs))[0]
+        if self.mesh.vpp > 1:  # the interleaved schedule runs micro batches in groups of pp
+            n_micro = -(-n_micro // self.mesh.pp) * self.mesh.pp
+        padded = _pad_rows(batch, aligned, n_micro * mbs)
+        micro = batching.micro_batches(*padded, mbs)
+
+        def loss(mb, logits):
+            lp, ent = self._response_logprobs(mb, logits, temperature, return_entropy)
+            out = {"logprobs": lp.float()}
+            if ent is not None:
+                out["entropy"] = ent.float()
+            return logits.new_zeros(()), out
+
+        for m in self._model:
+            m.eval()
+        results = self._run(micro, loss, seq, mbs, forward_only=True)
+        keys = ["logprobs"] + (["entropy"] if return_entropy else [])
+        out = {}
+        for k in keys:
+            if self._ps().is_pipeline_last_stage(ignore_virtual=True):
+                full = torch.cat([r[k].cpu() for r in results])[:n_rows].contiguous()
+            else:
+                full = torch.zeros(n_rows, resp_len)
+            out[k] = self._from_last_stage(full)
+        return out
+
+    # --------------------------------------------------------------- train
+    def train(self, batch: Mapping[str, Any], loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
+              epochs: int = 1, entropy: bool = True) -> dict[str, float]:
+        """PPO-style update: `epochs` passes over mini batches, one optimizer step per mini batch.
+
+        mini_batch_size counts samples over all DP ranks (so results do not depend on the DP size);
+        micro_batch_size is per rank. loss_fn(logprobs [b,R], entropy [b,R] | None, micro_batch)
+        -> (scalar loss, metrics); each micro batch's loss weighs 1/num_micro_batches.
+        """
+        state = self._trainable()
+        n_rows = batch["responses"].shape[0]
+        aligned, seq = self._prepare(batch)
+        local_mini, micro_batch_size = self._train_layout(n_rows, mini_batch_size, micro_batch_size, seq)
+
+        def loss(mb, logits):
+            lp, ent = self._response_logprobs(mb, logits, 1.0, entropy)
+            value, metrics = loss_fn(lp, ent, mb)
+            # megatron scales the returned loss in place: report a copy
+            return value, {"loss": value.detach().clone(), **metrics}
+
+        for m in state.model:
+            m.train()
+        sums: dict[str, float] = {}
+        grad_norms, steps = [], 0
+        for _ in range(epochs):
+            for start in range(0, n_rows, local_mini):
+                sl = slice(start, start + local_mini)
+                sub = {k: batching.rows(v, sl) for k, v in batch.items()}
+                micro = batching.micro_batches(sub, {k: v[sl] for k, v in aligned.items()}, micro_batch_size)
+                for m in state.model:
+                    m.zero_grad_buffer()
+                state.optimizer.zero_grad()
+                for r in self._run(micro, loss, seq, micro_batch_size, forward_only=False):
+                    for k, v in r.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
+                # Advance the schedule first: step k uses lr(k), so warm-up starts above 0.
+                state.scheduler.step(increment=1)
+                lr = state.optimizer.param_groups[0]["lr"]
+                _, grad_norm, _ = state.optimizer.step()
+                grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+                steps += 1
+        metrics = self._reduce_metrics({k: v / steps for k, v in sums.items()})
+        metrics.update(grad_norm=sum(grad_norms) / steps, lr=lr)
+        return metrics
+
+    def _train_layout(self, n_rows: int, mini: int, micro: int, seq: int) -> tuple[int, int]:
+        """Per-rank mini batch and micro batch size, or ConfigError saying which division fails."""
+        local_mini = mini // self.dp_size
+        if mini % self.dp_size or not local_mini or n_rows % local_mini:
+            raise ConfigError(f"mini_batch_size {mini} must split into {self.dp_size} DP ranks, and this rank's "
+                              f"{n_rows} samples into whole per-rank mini batches of {local_mini}", ("mini_batch_size",))
+        micro = self._micro_size(micro, seq, local_mini)
+        if local_mini % micro:
+            raise ConfigError(f"a per-rank mini batch of {local_mini} samples does not split into micro batches of "
+                              f"{micro}", ("micro_batch_size",))
+        if self.mesh.vpp > 1 and (local_mini // micro) % self.mesh.pp:
+            raise ConfigError(f"virtual pipelining runs micro batches in groups of pp={self.mesh.pp}; a mini batch "
+                              f"has {local_mini // micro} per rank", ("mini_batch_size",))
+        return local_mini, micro
+
+    def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
+        """Mean over DP ranks, from the last pipeline stage to every rank."""
+        ps = self._ps()
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            box = [local]
+            dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group)
+            local = box[0]
+        keys = sorted(local)
+        t = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=True))
+            t /= self.dp_size
+        return dict(zip(keys, t.cpu().tolist()))
+
+    # ------------------------------------------------------------- weights
+    def _sync_params(self) -> None:
+        """With overlap_param_gather the last optimizer step's params arrive lazily: force them."""
+        if self.train_state and self.opts["overlap_param_gather"]:
+            for m in self.train_state.model:
+                m.start_param_sync(force_sync=True)
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) on every rank; collective over the model-parallel group."""
+        self._sync_params()
+        return hf_convert.export_hf(self.chunks, self.spec)
+
+    def save_hf(self, directory: str) -> None:
+        self._sync_params()
+        checkpoint.save_hf(self.chunks, self.spec, directory)
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._sync_params()
+        checkpoint.save(self.chunks, self.train_state, directory)
+
+    def load_checkpoint(self, directory: str, load_optimizer: bool = True) -> None:
+        state = self._trainable() if load_optimizer and checkpoint.has_optimizer(directory) else self.train_state
+        checkpoint.load(self.chunks, state, directory)
+
+    # ------------------------------------------------------------- offload
+    def offload(self) -> None:
+        if not self.cuda or self._offloaded:
+            return
+        o, state = self.opts, self.train_state
+        if state:
+            for m in state.model:
+                for buf in m.buffers + m.expert_parallel_buffers:
+                    buf.offload_to_cpu(move_params=o["param_offload"], move_grads=o["grad_offload"])
+            if o["optimizer_offload"]:
+                state.optimizer.offload_to_cpu()
+        elif o["param_offload"]:
+            for c in self.chunks:
+                c.cpu()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        if not self._offloaded:
+            return
+        o, state = self.opts, self.train_state
+        if state:
+            for m in state.model:
+                for buf in m.buffers + m.expert_parallel_buffers:
+                    buf.reload_from_cpu(move_params=o["param_offload"], move_grads=o["grad_offload"])
+            if o["optimizer_offload"]:
+                state.optimizer.restore_from_cpu()
+        elif o["param_offload"]:
+            for c in self.chunks:
+                c.cuda()
+        self._offloaded = False
+
+
+def _pad_rows(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], rows: int):
+    """Repeat the first row up to `rows` (pipeline shapes need whole micro batches); dropped later."""
+    n = aligned["input_ids"].shape[0]
+    if rows == n:
+        return batch, aligned
+    idx = torch.cat([torch.arange(n), torch.zeros(rows - n, dtype=torch.long)])
+    return ({k: batching.rows(v, idx) for k, v in batch.items()}, {k: v[idx] for k, v in aligned.items()})

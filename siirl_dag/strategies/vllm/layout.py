@@ -1,0 +1,55 @@
+"""Generated samples -> the batch layout of docs/ARCHITECTURE.md (verl convention).
+
+Prompts are left-padded to P and responses right-padded to R, so position P+j-1 is always the
+logit that produced response token j, whatever the prompt length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One generated response."""
+
+    prompt_index: int  # which prompt of the call it answers
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]  # log-prob of each token of token_ids under the sampler
+    finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+
+
+def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], max_prompt_length: int,
+               max_response_length: int, pad_token_id: int) -> dict[str, Any]:
+    """Pad and stack; one row per sample, in the order given."""
+    rows, P, R = len(samples), max_prompt_length, max_response_length
+    prompts = torch.full((rows, P), pad_token_id, dtype=torch.long)
+    responses = torch.full((rows, R), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, P), dtype=torch.long)
+    response_mask = torch.zeros((rows, R), dtype=torch.long)
+    logprobs = torch.zeros((rows, R), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        prompt, n = prompt_ids[s.prompt_index], len(s.token_ids)
+        assert len(prompt) <= P and n <= R, "lengths are checked before generation"
+        prompts[row, P - len(prompt):] = torch.as_tensor(prompt)
+        prompt_mask[row, P - len(prompt):] = 1
+        responses[row, :n] = torch.as_tensor(s.token_ids)
+        response_mask[row, :n] = 1
+        logprobs[row, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "rollout_logprobs": logprobs,
+        "response_length": response_mask.sum(dim=1),
+        "finish_reason": [s.finish_reason for s in samples],
+        "sample_index": [s.prompt_index for s in samples],
+    }

@@ -1,0 +1,60 @@
+"""Strategy options (schemas/strategies/vllm.schema.json) and per-call sampling parameters."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from siirl_dag.errors import ConfigError, Problem
+
+SCHEMA_PATH = Path(__file__).resolve().parents[3] / "schemas" / "strategies" / "vllm.schema.json"
+SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
+# Per-call keys: the options above, plus a seed and two shorthands for evaluation rollouts.
+SAMPLING_KEYS = SAMPLING_OPTIONS + ("seed", "greedy", "validate")
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def resolve_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Check `options` against the schema and fill its defaults.
+
+    The config layer does the same at the door; repeating it here keeps a strategy built directly
+    (tests, scripts) as strict as one built from a pipeline file.
+    """
+    errors = jsonschema.Draft202012Validator(schema()).iter_errors(options)
+    problems = [Problem(("options", *e.absolute_path), e.message) for e in errors]
+    if problems:
+        raise ConfigError(problems)
+    defaults = {k: p["default"] for k, p in schema()["properties"].items() if "default" in p}
+    return {**defaults, **options}
+
+
+def sampling_kwargs(options: dict[str, Any], overrides: dict[str, Any], max_response_length: int) -> dict[str, Any]:
+    """Keyword arguments of vLLM's SamplingParams: the options' sampling defaults, then the call's.
+
+    `greedy` means temperature 0 and one sample; `validate` means one sample at `val_temperature`.
+    """
+    unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ConfigError([Problem(("sampling", k), f"unknown sampling key; expected one of {list(SAMPLING_KEYS)}")
+                           for k in unknown])
+    kw = {k: overrides.get(k, options[k]) for k in SAMPLING_OPTIONS}
+    if overrides.get("validate"):
+        kw.update(n=1, temperature=options["val_temperature"])
+    if overrides.get("greedy"):
+        kw.update(n=1, temperature=0.0)
+    kw["max_tokens"] = kw["max_tokens"] or max_response_length
+    if kw["max_tokens"] > max_response_length:
+        raise ConfigError([Problem(("sampling", "max_tokens"),
+                                   f"max_tokens={kw['max_tokens']} exceeds max_response_length={max_response_length}; "
+                                   "responses are padded to max_response_length, so max_tokens must not exceed it")])
+    kw["stop"], kw["stop_token_ids"] = list(kw["stop"]), list(kw["stop_token_ids"])
+    kw["seed"] = overrides.get("seed")
+    return kw

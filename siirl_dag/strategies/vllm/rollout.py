@@ -1,0 +1,220 @@
+"""The `vllm` rollout strategy: one vLLM engine per data-parallel rank, tensor parallel inside it.
+
+The engine always runs inside the rank's own process (no engine-core subprocess): it starts in
+seconds, weight updates hand tensors over by reference, and a colocated trainer shares the process.
+When the runtime has made a process group for the mesh, every rank joins vLLM's
+`external_launcher` executor: vLLM reads the world as (external dp) x t with t fastest, the
+megatron-style rank order of our meshes, so each group of t consecutive ranks is one engine that
+shards the model t ways. Without a process group (a script, a test) the engine is a plain t=1 one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.strategies.base import RankContext, Strategy
+from siirl_dag.strategies.vllm import cpu_compat
+from siirl_dag.strategies.vllm.layout import Sample, pack_batch
+from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
+
+log = logging.getLogger(__name__)
+
+
+def model_path(model: Any) -> str:
+    """A model given as a path, or as a spec (dataclass or dict) with a `path`."""
+    if isinstance(model, (str, os.PathLike)):
+        return str(model)
+    path = model.get("path") if isinstance(model, dict) else getattr(model, "path", None)
+    if path is None:
+        raise ConfigError([Problem(("model",), "no model path; expected a path or a model spec with `path`")])
+    return str(path)
+
+
+def tensor_parallel_size(ctx: RankContext, options: dict[str, Any]) -> int:
+    """t of the mesh, after checking what a vLLM mesh may hold (d and t; dp = world_size / t)."""
+    sizes = {"tp": 1, "pp": 1, **ctx.sizes}
+    tp = sizes["tp"]
+    problems = [
+        Problem(("options", key), f"{key}={options[key]} but the mesh has {dim}={sizes[dim]}; "
+                "the mesh string decides, drop the option or make them agree")
+        for key, dim in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"))
+        if key in options and options[key] != sizes[dim]
+    ]
+    problems += [
+        Problem(("mesh",), f"{dim}={size}: a vLLM rollout mesh has only d and t "
+                "(vLLM's in-process engine cannot pipeline; use t for large models)")
+        for dim, size in sizes.items() if dim not in ("dp", "tp") and size > 1
+    ]
+    if ctx.world_size % tp:
+        problems.append(Problem(("mesh",), f"world size {ctx.world_size} is not a multiple of t={tp}"))
+    if problems:
+        raise ConfigError(problems)
+    return tp
+
+
+@contextlib.contextmanager
+def host_rng_kept() -> Iterator[None]:
+    """vLLM seeds the global RNGs of the process it starts in; give the host its own state back."""
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+class VllmRollout(Strategy):
+    """Generates responses in the batch layout and takes weight updates in place."""
+
+    name = "vllm"
+
+    def __init__(self, ctx: RankContext, model: Any, options: dict[str, Any]):
+        super().__init__(ctx, model, resolve_options(options))
+        self.tp = tensor_parallel_size(ctx, self.options)
+        self.weights_version = 0
+        # True while the engine holds no real weights: load_format "dummy", or after a level-2 sleep
+        self._needs_weights = self.options["load_format"] == "dummy"
+        self._logged_offload_noop = False
+        self.llm = self._start_engine(model_path(model))
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = self.tokenizer.eos_token_id if pad is None else pad
+
+    def _start_engine(self, path: str):
+        # The in-process engine core (vLLM's external_launcher executor requires it too).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM  # importing vLLM costs seconds: only ranks that roll out pay
+
+        opts, shared_group = self.options, dist.is_available() and dist.is_initialized()
+        kwargs: dict[str, Any] = dict(
+            model=path, dtype=opts["dtype"], seed=opts["seed"] + self.ctx.rank // self.tp,
+            gpu_memory_utilization=opts["gpu_memory_utilization"], max_num_seqs=opts["max_num_seqs"],
+            max_model_len=opts["max_model_len"], enforce_eager=opts["enforce_eager"],
+            enable_prefix_caching=opts["enable_prefix_caching"], logprobs_mode=opts["logprobs_mode"],
+            load_format=opts["load_format"], tensor_parallel_size=self.tp, enable_sleep_mode=True,
+            worker_extension_cls="siirl_dag.strategies.vllm.worker_ext.WeightSyncExtension",
+        )
+        if shared_group:
+            if dist.get_world_size() != self.ctx.world_size:
+                raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but the rollout mesh has "
+                                   f"{self.ctx.world_size}: the runtime must give each mesh its own group")
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(self.ctx.local_device_index),
+                              WORLD_SIZE=str(dist.get_world_size()))
+        elif self.tp > 1:
+            raise RuntimeError(f"t={self.tp} needs the runtime's process group over the mesh "
+                               "(torch.distributed is not initialized in this process)")
+        if cpu_compat.active():
+            kwargs.update(cpu_compat.engine_kwargs(opts))
+        start = time.perf_counter()
+        with host_rng_kept(), cpu_compat.keep_torch_threads():
+            llm = LLM(**kwargs)
+        log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
+        return llm
+
+    def _tokenize(self, prompt: str | Sequence[int], chat_template: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if chat_template:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: dict[str, Any] | None,
+                 max_prompt_length: int, max_response_length: int,
+                 chat_template: bool | None = None) -> dict[str, Any]:
+        """Sample responses; rows are prompt-major (the n samples of a prompt are adjacent).
+
+        `sampling` overrides the options' n, temperature, top_p, top_k, max_tokens, stop and
+        stop_token_ids for this call, and may add `seed` (reproducible samples), `greedy` or
+        `validate` (see options.sampling_kwargs). Text prompts are tokenized raw or through the chat
+        template (`chat_template`, default: the option); token-id prompts are used as given.
+        Returns the batch-layout tensors plus the lists `finish_reason` and `sample_index` (the
+        prompt each row answers).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._needs_weights:
+            raise RuntimeError("the engine holds no weights (load_format 'dummy', or offload() with "
+                               "sleep_level 2): call load_weights before generate")
+        kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
+        use_chat = self.options["chat_template"] if chat_template is None else chat_template
+        prompt_ids = [self._tokenize(p, use_chat) for p in prompts]
+        self._check_lengths(prompt_ids, max_prompt_length, max_response_length)
+        seed, n = kw.pop("seed"), kw["n"]
+        # Stop strings need detokenized text; without them decoding text is wasted work.
+        base = dict(kw, logprobs=0, detokenize=bool(kw["stop"]))
+        # Seeded: prompt i gets seed + i*n and vLLM gives its samples seed + i*n + j, all distinct.
+        params = (SamplingParams(**base) if seed is None
+                  else [SamplingParams(**base, seed=seed + i * n) for i in range(len(prompt_ids))])
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        samples = [
+            Sample(i, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.finish_reason)
+            for i, out in enumerate(outputs)
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        return pack_batch(prompt_ids, samples, max_prompt_length, max_response_length, self.pad_token_id)
+
+    def _check_lengths(self, prompt_ids: list[list[int]], max_prompt_length: int, max_response_length: int) -> None:
+        bad = [(i, len(p)) for i, p in enumerate(prompt_ids) if not 0 < len(p) <= max_prompt_length]
+        if bad:
+            shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in bad[:5])
+            raise ConfigError([Problem(("data", "max_prompt_length"),
+                                       f"{len(bad)} prompt(s) empty or too long: {shown}, expected 1 to "
+                                       f"max_prompt_length={max_prompt_length}; raise it or filter the data")])
+        if max_prompt_length + max_response_length > self.max_model_len:
+            raise ConfigError([Problem(("options", "max_model_len"),
+                                       f"max_prompt_length + max_response_length = "
+                                       f"{max_prompt_length + max_response_length} exceeds the engine's "
+                                       f"max_model_len={self.max_model_len}; raise it or shorten the lengths")])
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Replace the engine's weights in place with HF-named tensors; returns the seconds taken.
+
+        `named_tensors` may be a generator (e.g. streaming buckets from the trainer): it is consumed
+        once, tensor by tensor. Every tensor of a layer must be present (q, k and v together), since
+        vLLM re-fuses them. The prefix cache is reset so no KV state of the old weights survives.
+        """
+        if version < self.weights_version:
+            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+        start = time.perf_counter()
+        self.llm.collective_rpc("siirl_load_weights", args=(iter(named_tensors),))
+        self.llm.reset_prefix_cache()
+        self.weights_version, self._needs_weights = version, False
+        return time.perf_counter() - start
+
+    def offload(self) -> None:
+        """Free the device for a colocated trainer (vLLM sleep mode). A no-op on CPU."""
+        if cpu_compat.active():
+            if not self._logged_offload_noop:
+                log.info("offload/onload do nothing on CPU (vLLM has no sleep mode there): "
+                         "the engine keeps its weights and its kv_cache_gb of KV cache")
+                self._logged_offload_noop = True
+            return
+        self.llm.sleep(level=self.options["sleep_level"])
+        self._needs_weights = self.options["sleep_level"] == 2
+
+    def onload(self) -> None:
+        if not cpu_compat.active():
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        """Shut the engine down. vLLM's shutdown also destroys torch.distributed's default group:
+        when the engine shares the runtime's group, close it last."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None

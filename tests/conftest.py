@@ -1,0 +1,33 @@
+"""Shared session fixtures: a tiny offline model and ONE vLLM engine for the whole test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import pytest  # noqa: E402
+
+# Options of the session engine; tests that compare against HF need fp32.
+VLLM_TEST_OPTIONS = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 256, "enforce_eager": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir):
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.vllm import VllmRollout
+
+    engine = VllmRollout(RankContext(rank=0, world_size=1), tiny_model_dir, dict(VLLM_TEST_OPTIONS))
+    yield engine
+    engine.close()

@@ -1,0 +1,161 @@
+"""Helpers for multi-process tests: gloo ranks spawned with torch.multiprocessing, tiny HF models.
+
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in fresh processes joined in
+one gloo process group and returns the per-rank results (an exception in any rank fails the call
+with that rank's traceback). `fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pack(value: Any) -> bytes:
+    """Results as bytes: tensors sent through the queue would live in the exiting child's memory."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        queue.put((rank, True, _pack(fn(rank, world, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except ImportError:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish in {timeout}s")
+            if queue.empty():
+                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                    time.sleep(0.5)
+                    if queue.empty():
+                        raise RuntimeError(f"a rank died: exit codes {[p.exitcode for p in procs]}")
+                time.sleep(0.05)
+                continue
+            rank, ok, value = queue.get()
+            if ok:
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+            initializer_range=0.1)
+
+
+def make_tiny_hf(directory: str, arch: str = "qwen2", seed: int = 0, **overrides: Any) -> str:
+    """Save a randomly initialised tiny HF causal LM (fp32) and return its directory."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    kwargs = dict(TINY)
+    if arch == "qwen3_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).float()
+    with torch.no_grad():  # random (not zero/one) norms and biases, so conversions must be exact
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_logits(path: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def hf_state(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def make_batch(n: int = 8, prompt_len: int = 6, resp_len: int = 5, vocab: int = 256, seed: int = 0) -> dict:
+    """A batch in the ARCHITECTURE.md layout: left-padded prompts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, vocab, (n, prompt_len), generator=g)
+    responses = torch.randint(1, vocab, (n, resp_len), generator=g)
+    plen = torch.randint(1, prompt_len + 1, (n,), generator=g)
+    rlen = torch.randint(1, resp_len + 1, (n,), generator=g)
+    prompt_mask = (torch.arange(prompt_len)[None] >= prompt_len - plen[:, None]).long()
+    response_mask = (torch.arange(resp_len)[None] < rlen[:, None]).long()
+    prompts = prompts * prompt_mask
+    responses = responses * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "advantages": torch.randn(n, resp_len, generator=g),
+        "uid": [f"u{i // 2}" for i in range(n)],
+    }

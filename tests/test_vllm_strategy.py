@@ -1,0 +1,286 @@
+"""The vLLM rollout strategy against a real in-process vLLM engine (one per session, see conftest)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from siirl_dag.errors import ConfigError
+from siirl_dag.strategies.base import RankContext
+from siirl_dag.strategies.vllm import VllmRollout
+from siirl_dag.strategies.vllm.options import resolve_options
+
+P, R = 24, 12
+PROMPTS = ["Q: 23+58=? A:", "Q: 7+5=? A:", "hello"]
+
+
+def hf_model(model_dir, state_dict=None):
+    """The HF model of `model_dir`, with checkpoint-format `state_dict` instead of its weights if given."""
+    from transformers import AutoModelForCausalLM
+
+    if state_dict is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:  # from_pretrained converts (e.g. fuses MoE experts)
+        shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+        save_file(state_dict, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, out, temperature=1.0):
+    """Log-probs of the sampled response tokens under HF, from the batch's own layout tensors."""
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits
+    logits = logits[:, P - 1:P + R - 1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def checkpoint(model_dir):
+    return load_file(f"{model_dir}/model.safetensors")
+
+
+def perturb(state_dict, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state_dict.items()}
+
+
+# --- layout -----------------------------------------------------------------------------------
+
+def test_layout_shapes_and_masks(vllm_engine):
+    out = vllm_engine.generate(PROMPTS, {"seed": 1}, P, R)
+    B = len(PROMPTS)
+    for key, shape in [("prompts", (B, P)), ("prompt_mask", (B, P)), ("responses", (B, R)),
+                       ("response_mask", (B, R)), ("input_ids", (B, P + R)), ("attention_mask", (B, P + R)),
+                       ("position_ids", (B, P + R)), ("rollout_logprobs", (B, R)), ("response_length", (B,))]:
+        assert tuple(out[key].shape) == shape, key
+    tok, pad = vllm_engine.tokenizer, vllm_engine.pad_token_id
+    for row, text in enumerate(PROMPTS):
+        ids = tok.encode(text)
+        assert out["prompts"][row, P - len(ids):].tolist() == ids  # left-padded
+        assert out["prompt_mask"][row].tolist() == [0] * (P - len(ids)) + [1] * len(ids)
+        assert (out["prompts"][row, :P - len(ids)] == pad).all()
+        n = int(out["response_length"][row])
+        assert out["response_mask"][row].tolist() == [1] * n + [0] * (R - n)  # right-padded
+        assert (out["responses"][row, n:] == pad).all()
+        assert (out["rollout_logprobs"][row, :n] < 0).all() and (out["rollout_logprobs"][row, n:] == 0).all()
+        assert out["finish_reason"][row] == ("length" if n == R else "stop")
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], out["responses"]], 1))
+    assert torch.equal(out["attention_mask"], torch.cat([out["prompt_mask"], out["response_mask"]], 1))
+    assert torch.equal(out["position_ids"], (out["attention_mask"].cumsum(1) - 1).clamp(min=0))
+    assert out["sample_index"] == [0, 1, 2]
+
+
+def test_token_id_prompts_and_chat_template(vllm_engine):
+    tok = vllm_engine.tokenizer
+    ids = tok.encode("Q: 1+1=? A:")
+    out = vllm_engine.generate([ids], {"greedy": True, "max_tokens": 4}, P, R)
+    assert out["prompts"][0, P - len(ids):].tolist() == ids
+    chat = vllm_engine.generate(["1+1"], {"greedy": True, "max_tokens": 4}, P, R, chat_template=True)
+    expected = tok.encode("user: 1+1\nassistant:")
+    assert chat["prompts"][0, P - len(expected):].tolist() == expected
+    assert int(chat["prompt_mask"].sum()) == len(expected)
+
+
+def test_n_samples_are_grouped(vllm_engine):
+    out = vllm_engine.generate(PROMPTS[:2], {"n": 3, "seed": 7}, P, R)
+    assert out["sample_index"] == [0, 0, 0, 1, 1, 1]
+    assert out["responses"].shape == (6, R)
+    for group in (slice(0, 3), slice(3, 6)):
+        prompts = out["prompts"][group]
+        assert (prompts == prompts[0]).all()
+        assert len({tuple(r.tolist()) for r in out["responses"][group]}) > 1  # samples differ
+
+
+def test_seed_reproducible_and_distinct_per_prompt(vllm_engine):
+    a = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 5}, P, R)
+    b = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 5}, P, R)
+    assert torch.equal(a["responses"], b["responses"])
+    # equal prompts still get their own random streams (no seed shared between rows)
+    assert len({tuple(r.tolist()) for r in a["responses"]}) == 4
+    c = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 6}, P, R)
+    assert not torch.equal(a["responses"], c["responses"])
+
+
+def test_greedy_is_deterministic_and_matches_hf(vllm_engine, tiny_model_dir):
+    a = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
+    b = vllm_engine.generate(PROMPTS, {"greedy": True, "seed": 123}, P, R)
+    assert torch.equal(a["responses"], b["responses"])
+    model = hf_model(tiny_model_dir)
+    for row, text in enumerate(PROMPTS):
+        ids = torch.tensor([vllm_engine.tokenizer.encode(text)])
+        hf = model.generate(ids, max_new_tokens=R, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert hf[0, ids.shape[1]:].tolist() == a["responses"][row].tolist()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_logprobs_match_hf(vllm_engine, tiny_model_dir, temperature):
+    out = vllm_engine.generate(PROMPTS, {"n": 2, "seed": 11, "temperature": temperature}, P, R)
+    ref = hf_logprobs(hf_model(tiny_model_dir), out, temperature)
+    mask = out["response_mask"].bool()
+    assert mask.sum() > 0
+    torch.testing.assert_close(out["rollout_logprobs"][mask], ref[mask], atol=1e-4, rtol=0)
+
+
+# --- stopping -----------------------------------------------------------------------------------
+
+def stop_candidate(response: list[int], tokenizer) -> int:
+    """A position >= 2 holding a printable one-character token that occurs there first."""
+    for j, t in enumerate(response):
+        text = tokenizer.decode([t])
+        if j >= 2 and response.index(t) == j and len(text) == 1 and text.isprintable() and text != "#":
+            return j
+    pytest.skip("sampled response has no token to stop on")
+
+
+def test_stop_strings_and_stop_token_ids(vllm_engine):
+    sampling = {"seed": 3}  # same seed: the same tokens up to the stop
+    full = vllm_engine.generate(PROMPTS[:1], sampling, P, R)["responses"][0].tolist()
+    j = stop_candidate(full, vllm_engine.tokenizer)
+    for stop in ({"stop": [vllm_engine.tokenizer.decode([full[j]])]}, {"stop_token_ids": [full[j]]}):
+        out = vllm_engine.generate(PROMPTS[:1], {**sampling, **stop}, P, R)
+        assert out["finish_reason"] == ["stop"], stop
+        assert out["response_length"].tolist() == [j + 1], stop  # the stopping token is kept
+        assert out["responses"][0, :j + 1].tolist() == full[:j + 1]
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def test_too_long_prompt_is_refused(vllm_engine):
+    with pytest.raises(ConfigError, match=r"prompt 1 has 30 tokens.*max_prompt_length=24"):
+        vllm_engine.generate(["ok", "x" * 30], None, P, R)
+
+
+def test_bad_lengths_and_keys_are_refused(vllm_engine):
+    with pytest.raises(ConfigError, match="max_tokens=20 exceeds max_response_length=12"):
+        vllm_engine.generate(["ok"], {"max_tokens": 20}, P, R)
+    with pytest.raises(ConfigError, match="max_model_len=256"):
+        vllm_engine.generate(["ok"], None, 200, 100)
+    with pytest.raises(ConfigError, match=r"sampling\.temprature: unknown sampling key"):
+        vllm_engine.generate(["ok"], {"temprature": 0.5}, P, R)
+
+
+def test_options_are_checked_before_any_engine_starts(tiny_model_dir):
+    with pytest.raises(ConfigError, match="options: Additional properties"):
+        VllmRollout(RankContext(0, 1), tiny_model_dir, {"temprature": 1.0})
+    with pytest.raises(ConfigError, match=r"options\.tensor_parallel_size: tensor_parallel_size=2 but the mesh has tp=1"):
+        VllmRollout(RankContext(0, 1, sizes={"dp": 1, "tp": 1}), tiny_model_dir, {"tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="pp=2: a vLLM rollout mesh has only d and t"):
+        VllmRollout(RankContext(0, 2, sizes={"dp": 1, "tp": 1, "pp": 2}), tiny_model_dir, {})
+    with pytest.raises(RuntimeError, match="process group"):  # none, or vLLM's own of 1 rank
+        VllmRollout(RankContext(0, 2, sizes={"dp": 1, "tp": 2}), tiny_model_dir, {})
+    assert resolve_options({})["kv_cache_gb"] == 1.0
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine, tiny_model_dir):
+    original = checkpoint(tiny_model_dir)
+    perturbed = perturb(original)
+    before = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
+    v0 = vllm_engine.weights_version
+
+    # streamed as a generator, as the weight-sync layer does with buckets
+    vllm_engine.load_weights(((k, v) for k, v in perturbed.items()), version=v0 + 1)
+    assert vllm_engine.weights_version == v0 + 1
+    changed = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
+    assert not torch.equal(changed["responses"], before["responses"])
+    mask = changed["response_mask"].bool()
+    ref = hf_logprobs(hf_model(tiny_model_dir, perturbed), changed)
+    torch.testing.assert_close(changed["rollout_logprobs"][mask], ref[mask], atol=1e-4, rtol=0)
+
+    vllm_engine.load_weights(original.items(), version=v0 + 2)
+    assert vllm_engine.weights_version == v0 + 2
+    restored = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
+    assert torch.equal(restored["responses"], before["responses"])
+    assert torch.equal(restored["rollout_logprobs"], before["rollout_logprobs"])
+
+    with pytest.raises(ValueError, match="older than"):
+        vllm_engine.load_weights(original.items(), version=v0)
+
+
+def test_offload_onload_keep_the_engine_usable(vllm_engine):
+    before = vllm_engine.generate(PROMPTS[:1], {"greedy": True}, P, R)
+    vllm_engine.offload()
+    vllm_engine.onload()
+    after = vllm_engine.generate(PROMPTS[:1], {"greedy": True}, P, R)
+    assert torch.equal(before["responses"], after["responses"])
+
+
+# --- in fresh processes: tensor parallel over two gloo ranks, and an MoE model ---------------------
+
+def _rank_main(rank, world, port, sizes, model_dir, update_path, results):
+    """One rank: greedy rollout, weight update from a file, greedy rollout again."""
+    from conftest import VLLM_TEST_OPTIONS
+
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    engine = VllmRollout(RankContext(rank, world, sizes=sizes), model_dir, dict(VLLM_TEST_OPTIONS))
+    before = engine.generate(PROMPTS, {"greedy": True}, P, R)
+    engine.load_weights(load_file(update_path).items(), version=1)
+    results.put((rank, before, engine.generate(PROMPTS, {"greedy": True}, P, R)))
+    engine.close()
+
+
+def run_ranks(world, sizes, model_dir, update_path, timeout_s=300):
+    """Spawn `world` ranks of `_rank_main`; fail fast when one dies instead of waiting out the timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, model_dir, update_path, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(out) < world and time.monotonic() < deadline:
+            try:
+                out.append(results.get(timeout=2))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    pytest.fail(f"a rank exited early: exit codes {[p.exitcode for p in procs]}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert len(out) == world, "ranks timed out"
+    return [batches for _, *batches in sorted(out, key=lambda r: r[0])]
+
+
+def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path):
+    perturbed = perturb(checkpoint(tiny_model_dir), seed=1)
+    save_file(perturbed, tmp_path / "update.safetensors")
+    outs = run_ranks(2, {"dp": 1, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"))
+    reference = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
+    ref_after = hf_model(tiny_model_dir, perturbed)
+    for before, after in outs:  # both ranks of the one engine return the same batch
+        assert torch.equal(before["responses"], reference["responses"])
+        torch.testing.assert_close(before["rollout_logprobs"], reference["rollout_logprobs"], atol=1e-5, rtol=0)
+        mask = after["response_mask"].bool()
+        torch.testing.assert_close(after["rollout_logprobs"][mask], hf_logprobs(ref_after, after)[mask],
+                                   atol=1e-4, rtol=0)
+
+
+def test_moe_model_with_untied_head_takes_weight_updates(tmp_path):
+    from make_tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, tie_word_embeddings=False)
+    perturbed = perturb(checkpoint(model_dir), seed=2)
+    save_file(perturbed, tmp_path / "update.safetensors")
+    [(before, after)] = run_ranks(1, {"dp": 1, "tp": 1}, model_dir, str(tmp_path / "update.safetensors"))
+    for batch, model in ((before, hf_model(model_dir)), (after, hf_model(model_dir, perturbed))):
+        mask = batch["response_mask"].bool()
+        torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(model, batch)[mask], atol=1e-4, rtol=0)
+    assert not torch.equal(before["responses"], after["responses"])

@@ -56,6 +56,7 @@ class RankWorker:
         torch.set_num_threads(threads)
         self.roles: dict[str, RoleSpec] = {}
         self.engines: dict[str, Any] = {}
+        self.active: str | None = None  # the engine that holds the device now (hybrid engine)
 
     # -- set-up ---------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -102,6 +103,7 @@ class RankWorker:
         """Assemble this rank's input from shard pieces, run the node, return (wire, info)."""
         role = self.roles[node_id]
         try:
+            self._activate(role.engine_key)
             batch = _assemble(inputs)
             ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
                               tokenizer_path=role.tokenizer_path, step=step, validating=validating, rank=self.rank,
@@ -115,6 +117,15 @@ class RankWorker:
                 "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank}
         return (result.to_wire() if role.output_rank else None), info
 
+    def _activate(self, key: str | None) -> None:
+        """Colocated roles take turns on the device: offload the engine that held it, onload this one."""
+        if key is None or key == self.active or len(self.engines) < 2:
+            return
+        if self.active is not None:
+            self.engines[self.active].offload()
+        self.engines[key].onload()
+        self.active = key
+
     # -- weight sync (siirl_dag.weight_sync holds the logic) -----------------------------------
     def export_weights(self, engine_key: str, bucket_bytes: int):
         from siirl_dag import weight_sync
@@ -127,9 +138,15 @@ class RankWorker:
         return weight_sync.import_buckets(self.engines[engine_key], buckets, version, fetch=_resolve)
 
     def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
+        """Colocated: wake the rollout engine, load from the trainer in memory, then free the trainer."""
         from siirl_dag import weight_sync
 
-        return weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version)
+        if self.active != dst_key:
+            self.engines[dst_key].onload()
+        stats = weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version)
+        self.engines[src_key].offload()
+        self.active = dst_key
+        return stats
 
     def call_engine(self, engine_key: str, method: str, *args, **kwargs):
         """Direct engine calls the driver makes outside nodes (weight sync, checkpoints)."""

@@ -59,7 +59,7 @@ def bench_train(batch, ctx):
 
 PIPELINE = """\
 name: bench-runtime
-cluster: {{nodes: 1, devices_per_node: 4, device: cpu}}
+cluster: {{nodes: 1, devices_per_node: 5, device: cpu}}
 models: {{m: {{path: unused}}}}
 data: {{train_files: unused.parquet, train_batch_size: {prompts}}}
 runtime: {{backend: {backend}, cpus_per_rank: 0.25}}

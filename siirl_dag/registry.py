@@ -56,12 +56,19 @@ def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = 
                         params_schema, trains, check, (fn.__doc__ or "").strip().split("\n")[0])
         fn.node_kind = kind
         if name is not None:
-            if name in _KINDS and _KINDS[name].fn is not fn:
-                raise ValueError(f"node kind '{name}' is registered twice")
+            if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):
+                raise ValueError(f"node kind '{name}' is registered twice ({_origin(_KINDS[name].fn)} and {_origin(fn)})")
             _KINDS[name] = kind
         return fn
 
     return register
+
+
+def _origin(fn: Callable) -> tuple[str, str]:
+    """Where a function is defined: the same file imported twice (a script run as __main__ and
+    imported by a worker) registers the same kind, not a conflicting one."""
+    code = getattr(fn, "__code__", None)
+    return (code.co_filename if code else fn.__module__, fn.__qualname__)
 
 
 def _load_builtin_kinds() -> None:

@@ -90,8 +90,12 @@ class Batch(Mapping):
         return {"tensors": {k: tensor_to_wire(t) for k, t in self.tensors.items()}, "meta": self.meta}
 
     @classmethod
-    def from_wire(cls, wire: dict) -> "Batch":
-        return cls({k: tensor_from_wire(*v) for k, v in wire["tensors"].items()}, wire["meta"])
+    def from_wire(cls, wire: dict, keys: Iterable[str] | None = None, start: int = 0, stop: int | None = None) -> "Batch":
+        """Rebuild a batch, or only some keys and rows of it (cut before copying out of the store)."""
+        keep = (lambda k: True) if keys is None else set(keys).__contains__
+        rows = slice(start, stop)
+        return cls({k: tensor_from_wire(a[rows], d) for k, (a, d) in wire["tensors"].items() if keep(k)},
+                   {k: v[rows] for k, v in wire["meta"].items() if keep(k)})
 
 
 def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:

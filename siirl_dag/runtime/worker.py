@@ -168,7 +168,7 @@ def _assemble(inputs: list) -> Batch:
     """inputs: [(keys, [(wire_or_ref, lo, hi), ...]), ...] -> one Batch with all keys."""
     batch = None
     for keys, pieces in inputs:
-        parts = [Batch.from_wire(_resolve(ref)).only(keys).slice(lo, hi) for ref, lo, hi in pieces]
+        parts = [Batch.from_wire(_resolve(ref), keys, lo, hi) for ref, lo, hi in pieces]
         part = Batch.concat(parts) if parts else Batch()
         batch = part if batch is None else batch.merge(part)
     return batch if batch is not None else Batch()

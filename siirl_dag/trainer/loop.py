@@ -23,6 +23,15 @@ def _source(rows: list[dict], epoch_tag: str = "") -> Batch:
                        "extra_info": [r["extra_info"] for r in rows]})
 
 
+def _union_length(spans) -> float:
+    """Seconds during which at least one node was running."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total
+
+
 class Trainer:
     def __init__(self, pipe, address: str | None = None, progress=print):
         self.pipe, self.address, self.progress = pipe, address, progress
@@ -86,6 +95,8 @@ class Trainer:
         metrics.update(self.rt.sync_weights())
         elapsed = time.perf_counter() - t0
         metrics["timing_s/step"] = elapsed
+        busy = _union_length(result.spans.values())
+        metrics["timing_s/engine_overhead"] = max(elapsed - busy - metrics.get("timing_s/sync_weights", 0.0), 0.0)
         tokens = max((o.tokens for o in result.outputs.values()), key=lambda tk: sum(tk), default=[])
         metrics["perf/throughput"] = sum(tokens) / elapsed / self.pipe.cluster.total
         metrics["training/epoch"] = epoch

@@ -1,0 +1,81 @@
+"""The demo pipeline, measured: per-node step breakdown, engine overhead, weight sync, tokens/s;
+with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync).
+
+    python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--all]
+
+Needs the demo task (make demo, or python scripts/make_demo_task.py data/demo).
+Engine overhead = step time - (time any node was running + weight sync): what the driver adds
+between nodes (data loading, dispatch, collection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OTHERS = {  # script -> arguments; each prints JSON with --json
+    "validate": ["bench_validate.py", "--repeat", "2"],
+    "plan": ["bench_plan.py"],
+    "runtime_overhead": ["bench_runtime.py"],
+    "vllm_vs_hf": ["bench_vllm.py"],
+    "megatron_vs_bare": ["bench_megatron.py"],
+    "weight_sync": ["bench_weight_sync.py"],
+}
+
+
+def demo(path: str, steps: int) -> dict:
+    from siirl_dag.config import load_pipeline
+    from siirl_dag.trainer.loop import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe = load_pipeline(path, [f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.logger=[]",
+                                    "trainer.save_freq=-1", "trainer.export_hf=false", "data.val_files=null",
+                                    f"trainer.default_local_dir={tmp}/ckpt"], for_run=True)
+        history = Trainer(pipe, progress=lambda *_: None).fit()
+    measured = [history["steps"][s] for s in sorted(history["steps"])[1:]] or list(history["steps"].values())  # skip warm-up
+    med = lambda key: statistics.median(m.get(key, 0.0) for m in measured)  # noqa: E731
+    nodes = {n: med(f"timing_s/{n}") for n in pipe.nodes}
+    step, sync, overhead = med("timing_s/step"), med("timing_s/sync_weights"), med("timing_s/engine_overhead")
+    return {"pipeline": path, "steps_measured": len(measured), "step_s": step, "node_s": nodes, "sync_weights_s": sync,
+            "sync_bytes": med("sync/bytes"), "engine_overhead_s": overhead, "engine_overhead_fraction": overhead / step,
+            "tokens_per_s": med("perf/throughput") * pipe.cluster.total, "score_mean": med("critic/score/mean")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--pipeline", default=str(ROOT / "graphs" / "tiny_grpo_cpu.yaml"))
+    ap.add_argument("--all", action="store_true", help="also run the other benchmark scripts")
+    args = ap.parse_args()
+    report = {"demo": demo(args.pipeline, args.steps)}
+    if args.all:
+        for name, (script, *extra) in OTHERS.items():
+            res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--json", *extra], capture_output=True,
+                                 text=True, cwd=ROOT)
+            out = res.stdout[res.stdout.find("{"):] if "{" in res.stdout else ""
+            report[name] = json.loads(out) if res.returncode == 0 and out else {"error": res.stderr[-500:]}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    d = report["demo"]
+    print(f"demo ({d['pipeline']}): {d['step_s']:.3f} s/step, {d['tokens_per_s']:.0f} tokens/s, "
+          f"weight sync {1000 * d['sync_weights_s']:.1f} ms ({d['sync_bytes'] / 2**20:.1f} MiB), "
+          f"engine overhead {1000 * d['engine_overhead_s']:.1f} ms = {100 * d['engine_overhead_fraction']:.1f}% of a step")
+    for node, t in d["node_s"].items():
+        print(f"  {node:<14} {1000 * t:8.1f} ms")
+    for name in OTHERS:
+        if name in report:
+            print(f"{name}: {json.dumps(report[name])[:300]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -258,3 +258,20 @@ def test_cli_plan_alloc_json():
     assert out["components"][1]["ep"] == 4 and out["components"][1]["etp"] == 1
     bad = run_cli("plan", "--alloc", "d4t2", "--json")
     assert bad.returncode == 2 and "backend" in bad.stdout
+
+
+def test_strategy_options_are_checked_with_suggestions(tmp_path):
+    text = BASE.replace("options: {n: 4}", "options: {n: 4, temprature: 0.7}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 0, "options", "temprature") and "did you mean 'temperature'" in p.message
+
+
+def test_nodes_sharing_an_engine_share_options(tmp_path):
+    text = BASE.replace("params: {output: old_logprobs}}", "params: {output: old_logprobs}, options: {micro_batch_size: 2}}")
+    text = text.replace("    params: {mini_batch_size: 4}", "    options: {lr: 0.001}\n    params: {mini_batch_size: 4}")
+    pipe = load_pipeline(write(tmp_path, text))
+    old, upd = pipe.nodes["old_logprob"].options, pipe.nodes["actor_update"].options
+    assert old == upd and old["micro_batch_size"] == 2 and old["lr"] == 0.001
+    clash = text.replace("options: {lr: 0.001}", "options: {lr: 0.001, micro_batch_size: 4}")
+    (p,) = problems(tmp_path, clash)
+    assert p.path == ("nodes", 4, "options", "micro_batch_size") and "conflicts with 2 on 'old_logprob'" in p.message

@@ -102,6 +102,7 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
             problems.append(Problem(base + ("strategy",), f"no strategy '{strategy}'; expected one of: {', '.join(STRATEGIES)}"))
         else:
             raw.setdefault("options", {})
+            raw["__explicit__"] = set(raw["options"])  # before defaults: what the user wrote
             options_schema = f"strategies/{strategy}.schema.json"
             if schema.schema_exists(options_schema):
                 problems += schema.validate(raw["options"], options_schema, base + ("options",))
@@ -133,6 +134,31 @@ def _user_contract(kind: NodeKind, raw: dict) -> NodeKind:
         return replace(kind, consumes=tuple(raw.get("consumes", kind.consumed({}))),
                        produces=tuple(raw.get("produces", kind.produced({}))))
     return kind
+
+
+def _merge_engine_options(nodes: list[dict]) -> list[Problem]:
+    """Nodes on the same mesh, model and strategy share one engine, so one set of options: the
+    values written on any of them (defaults elsewhere); the same key written twice must agree."""
+    problems, groups = [], {}
+    for i, raw in enumerate(nodes):
+        if "__explicit__" in raw:
+            groups.setdefault((raw.get("mesh"), raw.get("model"), raw["strategy"]), []).append(i)
+    for (mesh, model, _), members in groups.items():
+        chosen: dict[str, tuple[int, object]] = {}
+        for i in members:
+            for key in sorted(nodes[i]["__explicit__"]):
+                value = nodes[i]["options"][key]
+                if key in chosen and chosen[key][1] != value:
+                    j, other = chosen[key]
+                    problems.append(Problem(("nodes", i, "options", key), f"{value!r} conflicts with {other!r} on "
+                                            f"'{nodes[j]['id']}', which shares its engine (mesh '{mesh}', model '{model}'); "
+                                            "expected one value: write it once"))
+                chosen.setdefault(key, (i, value))
+        for i in members:
+            nodes[i]["options"].update({k: v for k, (_, v) in chosen.items()})
+    for raw in nodes:
+        raw.pop("__explicit__", None)
+    return problems
 
 
 def _check_weights_from(nodes: dict[str, NodeSpec], kinds: dict[str, NodeKind]) -> list[Problem]:
@@ -206,6 +232,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         kind = _read_node(i, raw, doc, meshes, components, problems)
         if kind is not None:
             kinds[raw["id"]] = _user_contract(kind, raw)
+    problems += _merge_engine_options(doc["nodes"])
     graph, graph_problems = build_graph(doc["nodes"])
     problems += graph_problems
     if not graph_problems:

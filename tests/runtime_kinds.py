@@ -68,3 +68,10 @@ def t_flaky(batch, ctx):
 @node_kind("t_liar", consumes=("x",), produces=("z",))
 def t_liar(batch, ctx):
     return {"w": batch["x"]}
+
+
+@node_kind(consumes=(), produces=())
+def t_sleep(batch, ctx):
+    """A long compute step (a `module:function` kind): something to interrupt."""
+    time.sleep(ctx.params["seconds"])
+    return {}

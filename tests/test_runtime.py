@@ -4,6 +4,7 @@ colocation, failures, retry, teardown, and local == Ray."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -183,3 +184,43 @@ def test_local_backend_refuses_multi_rank_meshes(tmp_path):
         """, "runtime.backend=local")
     with pytest.raises(ConfigError, match="mesh 'a' of node 'gen' has several ranks; use runtime.backend=ray"):
         Runtime(pipe).start()
+
+
+def _rays() -> int:
+    return sum(1 for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server"))
+
+
+def test_ctrl_c_stops_a_run_cleanly(tmp_path):
+    """SIGINT during a step: exit 130 with a one-line message, and the run's Ray is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": [f"prompt {i}" for i in range(4)], "data_source": ["d"] * 4,
+                             "ground_truth": ["1"] * 4}), tmp_path / "train.parquet")
+    (tmp_path / "p.yaml").write_text(textwrap.dedent(f"""\
+        name: ctrlc
+        cluster: {{nodes: 1, devices_per_node: 1, device: cpu}}
+        models: {{m: {{path: unused}}}}
+        data: {{train_files: {tmp_path}/train.parquet, train_batch_size: 2}}
+        nodes: [{{id: slow, kind: "runtime_kinds:t_sleep", params: {{seconds: 120}}}}]
+        trainer: {{total_steps: 1, logger: [console], default_local_dir: {tmp_path}/ckpt, export_hf: false}}
+        """))
+    before = _rays()
+    proc = subprocess.Popen([sys.executable, "-m", "siirl_dag.main", str(tmp_path / "p.yaml")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**__import__("os").environ,
+                            "PYTHONPATH": str(Path(__file__).parent)})
+    deadline = time.time() + 120
+    while time.time() < deadline and _rays() <= before:
+        time.sleep(0.5)
+    time.sleep(8)  # the step is running
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; stopped cleanly." in err and "Traceback" not in err
+    time.sleep(2)
+    assert _rays() == before, "the run's Ray processes must be gone"

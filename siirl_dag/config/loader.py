@@ -259,7 +259,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     )
     problems += check_data_flow(graph, pipe.consumes, pipe.produces)
     problems += _check_weights_from(nodes, pipe.kinds)
-    if place and not _errors(problems) and meshes:
+    if place and not _errors(problems):
         try:
             pipe.plan = place_meshes(pipe.cluster, _mesh_requests(pipe, components))
             problems += pipe.plan.warnings

@@ -124,7 +124,7 @@ def model_flops(spec, tokens: int, seq: int) -> float:
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * f
     dense = L * per_layer + h * v  # the LM head (the embedding lookup is not a matmul)
-    attention = L * 2 * 2 * q * seq / 2  # QK^T and AV, causal half, per token
+    attention = L * q * seq  # QK^T and AV over (causally) half the sequence, as a parameter count
     return 3 * 2 * (dense + attention) * tokens
 
 

@@ -1,7 +1,8 @@
 """Rollout throughput: the `vllm` strategy vs HF transformers `generate`, same tiny model and batch.
 
 Both sample at temperature 1 (the RL setting) from the same prompts and stop at EOS; tokens/s counts
-generated tokens (up to and including EOS). Also reports the engine start time and the time of one in-place weight update.
+generated tokens (up to and including EOS). Also reports the engine start time and the time of one
+in-place weight update.
 
     python scripts/bench_vllm.py [--prompts 32] [--new-tokens 64] [--threads 1] [--json]
 """
@@ -88,7 +89,8 @@ def main() -> None:
     result = {
         "hidden_size": a.hidden_size, "num_layers": a.num_layers, "prompts": a.prompts, "n": a.n,
         "new_tokens": R, "threads": a.threads, "enforce_eager": a.enforce_eager,
-        "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate), "speedup": round(vllm_rate / hf_rate, 2),
+        "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate),
+        "speedup": round(vllm_rate / hf_rate, 2),
         "engine_start_s": round(engine_start_s, 2), "load_weights_s": round(load_s, 4),
     }
     if a.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import make_batch, make_tiny_hf, run_ranks
+from dist_utils import hf_state, make_batch, make_tiny_hf, run_ranks
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext
 
@@ -36,7 +36,8 @@ def _step(rank, world, path, sizes, opts):
     before = eng.compute_logprobs(batch, micro_batch_size=2)["logprobs"]
     metrics = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
     after = eng.compute_logprobs(batch, micro_batch_size=3)["logprobs"]
-    return {"dp_rank": eng.dp_rank, "before": before, "after": after, "metrics": metrics}
+    weights = dict(eng.export_hf_weights())  # after a step: gathers TP/PP/EP shards, syncs distopt params
+    return {"dp_rank": eng.dp_rank, "before": before, "after": after, "metrics": metrics, "weights": weights}
 
 
 def _gather_dp(results: list[dict], key: str) -> torch.Tensor:
@@ -74,16 +75,45 @@ def test_parallel_layouts_match_one_rank(case, models):
             assert r["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), key
         assert r["metrics"]["lr"] == ref["metrics"]["lr"]
     torch.testing.assert_close(_gather_dp(results, "after"), ref["after"], atol=2e-5, rtol=0)
+    for r in results:
+        assert sorted(r["weights"]) == sorted(ref["weights"])
+        for name, tensor in ref["weights"].items():
+            torch.testing.assert_close(r["weights"][name], tensor, atol=1e-6, rtol=0, msg=name)
     assert (ref["after"] - ref["before"]).abs().max() > 1e-3, "the step must move the log-probs"
 
 
-def _adamw(rank, world, path, opts):
-    """Two optimizer steps through the engine; returns exported weights and the metrics."""
+ADAMW = {"lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-3, "weight_decay": 0.1, "clip_grad": 0.0}
+
+
+def _one_rank_suite(rank, world, path):
+    """The single-rank checks, sharing one process (and its start-up cost)."""
+    from siirl_dag.strategies.megatron import batching
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    eng = MegatronEngine(RankContext(rank, world), {"path": path}, opts)
-    metrics = eng.train(make_batch(8), pg_loss, mini_batch_size=4, micro_batch_size=2)
-    return dict(eng.export_hf_weights()), metrics
+    def engine(opts):
+        return MegatronEngine(RankContext(rank, world), {"path": path}, opts)
+
+    batch = make_batch(8)
+    out = {}
+    # two AdamW steps (two mini batches of two micro batches)
+    eng = engine(ADAMW)
+    out["adamw_metrics"] = eng.train(batch, pg_loss, mini_batch_size=4, micro_batch_size=2)
+    out["adamw_weights"] = dict(eng.export_hf_weights())
+    # LR schedule over four steps
+    eng = engine({"lr": 1e-2, "lr_warmup_steps": 2, "lr_decay_style": "linear", "lr_decay_steps": 4})
+    out["lrs"] = [eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=4)["lr"] for _ in range(4)]
+    # token-budget micro batches: 2 rows of this batch's padded length fit
+    seq = batching.seq_length(batch)
+    for name, opts, micro in (("dynamic", {"dynamic_micro_batch_tokens": 2 * seq + 1}, 8), ("fixed2", {}, 2),
+                              ("fixed4", {}, 4)):
+        out[name] = engine({**OPTS, **opts}).train(batch, pg_loss, mini_batch_size=8, micro_batch_size=micro)["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    path = make_tiny_hf(str(tmp_path_factory.mktemp("one_rank") / "m"), "qwen2")
+    return path, run_ranks(_one_rank_suite, 1, path)[0]
 
 
 def _hf_adamw(path: str, opts: dict) -> dict[str, torch.Tensor]:
@@ -112,33 +142,25 @@ def _hf_adamw(path: str, opts: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_optimizer_step_is_adamw(tmp_path):
-    path = make_tiny_hf(str(tmp_path / "m"), "qwen2")
-    opts = {"lr": 1e-2, "betas": [0.8, 0.95], "eps": 1e-3, "weight_decay": 0.1, "clip_grad": 0.0}
-    exported, metrics = run_ranks(_adamw, 1, path, opts)[0]
-    expected = _hf_adamw(path, opts)
-    from dist_utils import hf_state
-
-    original = hf_state(path)
-    moved = max((exported[k] - original[k]).abs().max().item() for k in original)
-    assert moved > 5e-3
+def test_optimizer_step_is_adamw(one_rank):
+    path, out = one_rank
+    original, expected = hf_state(path), _hf_adamw(path, ADAMW)
+    exported = out["adamw_weights"]
+    assert max((exported[k] - original[k]).abs().max().item() for k in original) > 5e-3
     for name, tensor in expected.items():
         torch.testing.assert_close(exported[name], tensor, atol=2e-6, rtol=0, msg=name)
-    assert metrics["lr"] == 1e-2
+    assert out["adamw_metrics"]["lr"] == ADAMW["lr"]
 
 
-def _schedule(rank, world, path):
-    from siirl_dag.strategies.megatron.engine import MegatronEngine
-
-    eng = MegatronEngine(RankContext(rank, world), {"path": path},
-                         {"lr": 1e-2, "lr_warmup_steps": 2, "lr_decay_style": "linear", "lr_decay_steps": 4})
-    return [eng.train(make_batch(8), pg_loss, mini_batch_size=8, micro_batch_size=4)["lr"] for _ in range(4)]
+def test_lr_warmup_then_decay(one_rank):
+    # step k uses lr(k): warm-up reaches lr at step 2, then linear decay to min_lr (0) at step 4
+    assert one_rank[1]["lrs"] == pytest.approx([5e-3, 1e-2, 5e-3, 0.0])
 
 
-def test_lr_warmup_then_decay(tmp_path):
-    path = make_tiny_hf(str(tmp_path / "m"), "qwen2", num_hidden_layers=1)
-    lrs = run_ranks(_schedule, 1, path)[0]
-    assert lrs == pytest.approx([5e-3, 1e-2, 5e-3, 0.0])
+def test_dynamic_micro_batches_follow_the_token_budget(one_rank):
+    out = one_rank[1]
+    assert out["dynamic"] == pytest.approx(out["fixed2"], abs=1e-6)
+    assert out["fixed2"] != pytest.approx(out["fixed4"], abs=1e-4)  # (micro size shows in the loss)
 
 
 @pytest.mark.parametrize("sizes, opts, words", [
@@ -182,23 +204,3 @@ def test_context_parallel_split_and_gather():
     assert torch.equal(grad0 + grad1, torch.arange(8.0).expand(2, 8))
     assert grad0[0].tolist() == [0, 1, 0, 0, 0, 0, 6, 7]
 
-
-def _dynamic(rank, world, path):
-    from siirl_dag.strategies.megatron import batching
-    from siirl_dag.strategies.megatron.engine import MegatronEngine
-
-    batch = make_batch(8)
-    seq = batching.seq_length(batch)
-    out = {}
-    for name, opts, micro in (("dynamic", {"dynamic_micro_batch_tokens": 2 * seq + 1}, 8), ("fixed2", {}, 2),
-                              ("fixed4", {}, 4)):
-        eng = MegatronEngine(RankContext(rank, world), {"path": path}, {**OPTS, **opts})
-        out[name] = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=micro)["loss"]
-    return out
-
-
-def test_dynamic_micro_batches_follow_the_token_budget(tmp_path):
-    path = make_tiny_hf(str(tmp_path / "m"), "qwen2", num_hidden_layers=1)
-    out = run_ranks(_dynamic, 1, path)[0]
-    assert out["dynamic"] == pytest.approx(out["fixed2"], abs=1e-6)  # 2 rows of `seq` tokens fit the budget
-    assert out["fixed2"] != pytest.approx(out["fixed4"], abs=1e-4)  # (micro size shows in the loss)

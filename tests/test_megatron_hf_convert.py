@@ -73,7 +73,7 @@ def test_logits_logprobs_and_export_match_hf(case, tmp_path):
 
 
 def _spec(**kw) -> hf_config.HFSpec:
-    base = dict(path="", arch="qwen2", hf_config={}, num_layers=1, hidden_size=8, ffn_hidden_size=8, num_heads=4,
+    base = dict(path="", arch="qwen2", num_layers=1, hidden_size=8, ffn_hidden_size=8, num_heads=4,
                 num_kv_heads=2, head_dim=2, vocab_size=10, norm_eps=1e-6, tied=False, qkv_bias=True, qk_norm=False,
                 rotary_base=1e4, rope_scaling_factor=None, max_position_embeddings=32, init_std=0.02)
     base.update(kw)

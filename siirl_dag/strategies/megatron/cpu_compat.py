@@ -268,8 +268,3 @@ def apply_without_te() -> None:
 
         torch_norm.WrappedTorchNorm.__new__ = new
         _state["no_te"] = True
-
-
-def is_applied() -> bool:
-    return _state["cpu"]
-

@@ -45,6 +45,8 @@ class MegatronEngine(Strategy):
 
         self.opts = options.resolve(self.options)
         self.cuda = ctx.device == "cuda" and torch.cuda.is_available()
+        if self.cuda:  # under Ray each rank may see only its own GPU
+            torch.cuda.set_device(ctx.local_device_index % torch.cuda.device_count())
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.mesh = model_lib.resolve_mesh(ctx.sizes, self.opts, ctx.world_size)
         options.check_device(self.opts, self.mesh.cp, self.cuda, model_lib.use_transformer_engine())
@@ -323,35 +325,30 @@ class MegatronEngine(Strategy):
 
     # ------------------------------------------------------------- offload
     def offload(self) -> None:
-        if not self.cuda or self._offloaded:
-            return
-        o, state = self.opts, self.train_state
-        if state:
-            for m in state.model:
-                for buf in m.buffers + m.expert_parallel_buffers:
-                    buf.offload_to_cpu(move_params=o["param_offload"], move_grads=o["grad_offload"])
-            if o["optimizer_offload"]:
-                state.optimizer.offload_to_cpu()
-        elif o["param_offload"]:
-            for c in self.chunks:
-                c.cpu()
-        torch.cuda.empty_cache()
-        self._offloaded = True
+        """Free the GPU for a colocated role: params / grads / optimizer state to host, as configured."""
+        if self.cuda and not self._offloaded:
+            self._move_state(to_host=True)
+            self._offloaded = True
 
     def onload(self) -> None:
-        if not self._offloaded:
-            return
+        if self._offloaded:
+            self._move_state(to_host=False)
+            self._offloaded = False
+
+    def _move_state(self, to_host: bool) -> None:
         o, state = self.opts, self.train_state
-        if state:
-            for m in state.model:
-                for buf in m.buffers + m.expert_parallel_buffers:
-                    buf.reload_from_cpu(move_params=o["param_offload"], move_grads=o["grad_offload"])
-            if o["optimizer_offload"]:
-                state.optimizer.restore_from_cpu()
-        elif o["param_offload"]:
-            for c in self.chunks:
-                c.cuda()
-        self._offloaded = False
+        buffers = [b for m in state.model for b in m.buffers + m.expert_parallel_buffers] if state else []
+        for b in buffers:  # megatron's own RL offload of DDP buffers (params live there with distopt)
+            move = b.offload_to_cpu if to_host else b.reload_from_cpu
+            move(move_params=o["param_offload"], move_grads=o["grad_offload"])
+        if o["param_offload"] and not any(b.param_data is not None for b in buffers):
+            for c in self.chunks:  # params outside DDP buffers: move the tensors themselves
+                for p in c.parameters():
+                    p.data = p.data.to("cpu" if to_host else self.device, non_blocking=True)
+        if state and o["optimizer_offload"]:
+            state.optimizer.offload_to_cpu() if to_host else state.optimizer.restore_from_cpu()
+        if to_host:
+            torch.cuda.empty_cache()
 
 
 def _pad_rows(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], rows: int):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from siirl_dag.errors import ConfigError
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")  # HF model_type
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,6 @@ class HFSpec:
 
     path: str
     arch: str
-    hf_config: dict[str, Any]
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -55,9 +54,9 @@ def read_hf_config(path: str) -> HFSpec:
             cfg = json.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read an HF model at {path!r} ({e}); expected a directory with config.json")
-    arch = _ARCHS.get(cfg.get("model_type", ""))
-    if arch is None:
-        raise ConfigError(f"model_type {cfg.get('model_type')!r} is not supported; expected one of {sorted(_ARCHS)}")
+    arch = cfg.get("model_type")
+    if arch not in _ARCHS:
+        raise ConfigError(f"model_type {cfg.get('model_type')!r} is not supported; expected one of {list(_ARCHS)}")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
         raise ConfigError("only SiLU-gated MLPs without bias are supported")
     if cfg.get("use_sliding_window"):
@@ -88,7 +87,6 @@ def read_hf_config(path: str) -> HFSpec:
     return HFSpec(
         path=path,
         arch=arch,
-        hf_config=cfg,
         num_layers=n_layers,
         hidden_size=cfg["hidden_size"],
         ffn_hidden_size=cfg["intermediate_size"],

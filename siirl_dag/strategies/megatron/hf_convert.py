@@ -83,7 +83,7 @@ class Bound:
         """Export unit: embedding first, layers in order, final norm/head last."""
         if self.layer is not None:
             return (1, self.layer)
-        return (0, 0) if self.rule.kind == "vocab" and self.rule.mcore.startswith("embedding") else (2, 0)
+        return (0, 0) if self.rule.mcore.startswith("embedding") else (2, 0)
 
     def hf_names(self) -> list[str]:
         return [n.format(L=self.layer, E=self.expert) for n in self.rule.hf]

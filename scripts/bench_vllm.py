@@ -49,7 +49,7 @@ def main() -> None:
 
     from make_tiny_model import make_tiny_model
     from siirl_dag.strategies.base import RankContext
-    from siirl_dag.strategies.vllm import VllmRollout
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
 
     torch.set_num_threads(a.threads)
     rng = random.Random(0)

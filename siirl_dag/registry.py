@@ -42,8 +42,16 @@ _KINDS: dict[str, NodeKind] = {}
 
 # Strategies: name -> "module:Class"; imported lazily so `validate` never loads vLLM or Megatron.
 STRATEGIES: dict[str, str] = {
-    "vllm": "siirl_dag.strategies.vllm:VllmRollout",
+    "vllm": "siirl_dag.strategies.vllm.rollout:VllmRollout",
     "megatron": "siirl_dag.strategies.megatron.engine:MegatronEngine",
+}
+
+
+# Checks of a strategy's options beyond the schema (rules across keys), run by `validate`:
+# name -> "module:function(options) -> options", raising ConfigError with ("options", key) paths.
+OPTION_CHECKS: dict[str, str] = {
+    "vllm": "siirl_dag.strategies.vllm.options:resolve_options",
+    "megatron": "siirl_dag.strategies.megatron.options:resolve",
 }
 
 

@@ -26,7 +26,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir):
     from siirl_dag.strategies.base import RankContext
-    from siirl_dag.strategies.vllm import VllmRollout
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
 
     engine = VllmRollout(RankContext(rank=0, world_size=1), tiny_model_dir, dict(VLLM_TEST_OPTIONS))
     yield engine

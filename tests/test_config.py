@@ -275,3 +275,10 @@ def test_nodes_sharing_an_engine_share_options(tmp_path):
     clash = text.replace("options: {lr: 0.001}", "options: {lr: 0.001, micro_batch_size: 4}")
     (p,) = problems(tmp_path, clash)
     assert p.path == ("nodes", 4, "options", "micro_batch_size") and "conflicts with 2 on 'old_logprob'" in p.message
+
+
+def test_strategy_rules_across_options_run_at_validation(tmp_path):
+    text = BASE.replace("    params: {mini_batch_size: 4}", "    options: {lr: 1.0e-6, min_lr: 1.0e-5}\n    params: {mini_batch_size: 4}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 4, "options", "min_lr") and "min_lr <= lr" in p.message
+    assert p.line == line_of(text, "min_lr")

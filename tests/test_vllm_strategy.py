@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext
-from siirl_dag.strategies.vllm import VllmRollout
+from siirl_dag.strategies.vllm.rollout import VllmRollout
 from siirl_dag.strategies.vllm.options import resolve_options
 
 P, R = 24, 12

@@ -17,7 +17,7 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
-from siirl_dag.registry import STRATEGIES, NodeKind, resolve_kind
+from siirl_dag.registry import OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
 
 
 def _locate(problems: list[Problem], file: str, positions: dict, touched: dict) -> list[Problem]:
@@ -105,7 +105,8 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
             raw["__explicit__"] = set(raw["options"])  # before defaults: what the user wrote
             options_schema = f"strategies/{strategy}.schema.json"
             if schema.schema_exists(options_schema):
-                problems += schema.validate(raw["options"], options_schema, base + ("options",))
+                found = schema.validate(raw["options"], options_schema, base + ("options",))
+                problems += found or _option_rules(strategy, raw["options"], base)
         for key, pool in (("mesh", meshes), ("model", doc["models"])):
             if key not in raw:
                 problems.append(Problem(base, f"model node '{raw['id']}' needs '{key}'; expected one of: {', '.join(pool)}"))
@@ -124,6 +125,17 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
         problems.append(Problem(base, f"'consumes'/'produces' are declared by kind '{kind.name}' itself; "
                                       "they may only be given for module:function kinds"))
     return kind
+
+
+def _option_rules(strategy: str, options: dict, base: tuple) -> list[Problem]:
+    """The strategy's own rules across option keys (min_lr <= lr, ...), at the door."""
+    if strategy not in OPTION_CHECKS:
+        return []
+    try:
+        import_ref(OPTION_CHECKS[strategy])(dict(options))
+    except ConfigError as exc:
+        return [Problem(base + tuple(p.path), p.message) for p in exc.problems]
+    return []
 
 
 def _user_contract(kind: NodeKind, raw: dict) -> NodeKind:

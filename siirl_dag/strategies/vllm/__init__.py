@@ -1,5 +1,2 @@
-"""vLLM rollout strategy."""
-
-from siirl_dag.strategies.vllm.rollout import VllmRollout
-
-__all__ = ["VllmRollout"]
+"""vLLM rollout strategy (`rollout.VllmRollout`). Importing the package loads nothing heavy, so
+`validate` can read its options without torch or vLLM."""

@@ -282,3 +282,26 @@ def test_strategy_rules_across_options_run_at_validation(tmp_path):
     (p,) = problems(tmp_path, text)
     assert p.path == ("nodes", 4, "options", "min_lr") and "min_lr <= lr" in p.message
     assert p.line == line_of(text, "min_lr")
+
+
+def test_run_refuses_bad_input_before_starting_anything(tmp_path, tiny_model_dir):
+    """Missing model, missing data, damaged checkpoint: exit 2, one clear message, no traceback."""
+    text = BASE.replace("no/such/model", tiny_model_dir).replace("train.parquet", str(tmp_path / "missing.parquet"))
+    res = run_cli(str(write(tmp_path, text)))
+    assert res.returncode == 2 and "missing.parquet" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli(str(write(tmp_path, BASE)))
+    assert res.returncode == 2 and "model directory 'no/such/model' not found" in res.stderr
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a"], "data_source": ["d"], "ground_truth": ["1"]}), tmp_path / "t.parquet")
+    text = BASE.replace("no/such/model", tiny_model_dir).replace("train.parquet", str(tmp_path / "t.parquet"))
+    res = run_cli(str(write(tmp_path, text)))
+    assert res.returncode == 2 and f":{line_of(text, 'train_batch_size')}:" in res.stderr
+    assert "data.train_batch_size: the data has 1 rows, fewer than one batch of 8" in res.stderr
+    pq.write_table(pa.table({"prompt": ["a"] * 8, "data_source": ["d"] * 8, "ground_truth": ["1"] * 8}), tmp_path / "t.parquet")
+    bad_ckpt = tmp_path / "ckpt"
+    bad_ckpt.mkdir()
+    (bad_ckpt / "trainer_state.json").write_text("{not json")
+    res = run_cli(str(write(tmp_path, text)), "trainer.resume_mode=resume_path", f"trainer.resume_from_path={bad_ckpt}")
+    assert res.returncode == 2 and "trainer_state.json is unreadable" in res.stderr and "Traceback" not in res.stderr

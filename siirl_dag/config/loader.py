@@ -10,32 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from siirl_dag.config import roll_compat, schema
-from siirl_dag.config.overrides import OVERRIDE_FILE, apply_overrides
+from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
-from siirl_dag.config.yaml_loader import load_yaml
+from siirl_dag.config.yaml_loader import load_yaml, locate
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.registry import OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
-
-
-def _locate(problems: list[Problem], file: str, positions: dict, touched: dict) -> list[Problem]:
-    """Attach FILE:LINE:COL (or the override that set the key) from the longest known prefix."""
-    for p in problems:
-        if p.file is not None and p.file != file:
-            continue
-        p.file = file
-        for cut in range(len(p.path), -1, -1):
-            prefix = tuple(p.path[:cut])
-            if prefix in touched:
-                p.file, p.line, p.col = OVERRIDE_FILE, None, None
-                p.message = f"{p.message} (set by override '{touched[prefix]}')"
-                break
-            if prefix in positions:
-                p.line, p.col = positions[prefix]
-                break
-    return problems
 
 
 def _errors(problems: list[Problem]) -> list[Problem]:
@@ -225,7 +207,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     file = str(path)
     doc, positions = load_yaml(path)
     touched: dict = {}
-    located = lambda probs: _locate(probs, file, positions, touched)  # noqa: E731
+    located = lambda probs: locate(probs, file, positions, touched)  # noqa: E731
     try:
         touched = apply_overrides(doc, list(overrides), positions) if isinstance(doc, dict) else {}
     except ConfigError as exc:
@@ -267,7 +249,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         data=DataSpec(**{**data, "train_files": files(data["train_files"]), "val_files": files(data.get("val_files"))}),
         meshes=meshes, nodes=nodes, kinds={k: kinds[k] for k in nodes}, graph=graph,
         trainer=TrainerSpec(**{**doc["trainer"], "logger": tuple(doc["trainer"]["logger"])}),
-        runtime=RuntimeSpec(**doc["runtime"]),
+        runtime=RuntimeSpec(**doc["runtime"]), positions=positions, touched=touched,
     )
     problems += check_data_flow(graph, pipe.consumes, pipe.produces)
     problems += _check_weights_from(nodes, pipe.kinds)

@@ -12,7 +12,8 @@ from typing import Any
 
 import networkx as nx
 
-from siirl_dag.errors import Problem
+from siirl_dag.config.yaml_loader import locate
+from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.placement.plan import ClusterSpec, Plan
 from siirl_dag.registry import NodeKind
 
@@ -120,6 +121,12 @@ class Pipeline:
     runtime: RuntimeSpec
     plan: Plan | None = None
     warnings: list[Problem] = field(default_factory=list)
+    positions: dict = field(default_factory=dict, repr=False)  # key path -> (line, col) in `file`
+    touched: dict = field(default_factory=dict, repr=False)  # key path -> the override that set it
+
+    def error(self, path: tuple, message: str) -> ConfigError:
+        """A ConfigError located in the pipeline file, for checks made after loading (data, checkpoints)."""
+        return ConfigError(locate([Problem(tuple(path), message)], self.file, self.positions, self.touched))
 
     def node_path(self, node_id: str) -> tuple:
         return ("nodes", self.nodes[node_id].index)

@@ -62,6 +62,26 @@ def _build(node: yaml.Node, path: tuple, positions: Positions, problems: list[Pr
     return _scalar(node)
 
 
+def locate(problems: list[Problem], file: str, positions: Positions, touched: dict) -> list[Problem]:
+    """Attach FILE:LINE:COL (or the override that set the key) from the longest known path prefix."""
+    from siirl_dag.config.overrides import OVERRIDE_FILE
+
+    for p in problems:
+        if p.file is not None and p.file != file:
+            continue
+        p.file = file
+        for cut in range(len(p.path), -1, -1):
+            prefix = tuple(p.path[:cut])
+            if prefix in touched:
+                p.file, p.line, p.col = OVERRIDE_FILE, None, None
+                p.message = f"{p.message} (set by override '{touched[prefix]}')"
+                break
+            if prefix in positions:
+                p.line, p.col = positions[prefix]
+                break
+    return problems
+
+
 def load_yaml(path: str | Path) -> tuple[Any, Positions]:
     """Parse `path` safely; return (data, positions). Syntax errors become a ConfigError."""
     path = Path(path)

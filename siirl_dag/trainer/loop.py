@@ -10,7 +10,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from siirl_dag.config.yaml_loader import locate
 from siirl_dag.data import PromptDataset, PromptLoader
+from siirl_dag.errors import ConfigError
 from siirl_dag.runtime import Batch, Runtime
 from siirl_dag.trainer import checkpoint
 from siirl_dag.trainer.logger import MetricsLogger
@@ -40,10 +42,16 @@ class Trainer:
         self.out_dir = Path("outputs") / project / experiment
         self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
         self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
-        # bad data is bad input: checked here, before any process starts
-        self.train_data = PromptDataset(list(d.train_files), d.prompt_key, config_path=("data", "train_files"))
-        self.val_data = PromptDataset(list(d.val_files), d.prompt_key, config_path=("data", "val_files")) if d.val_files else None
-        self.loader = PromptLoader(self.train_data, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+        # bad data is bad input: checked here, before any process starts, located in the pipeline file
+        try:
+            self.train_data = PromptDataset(list(d.train_files), d.prompt_key, config_path=("data", "train_files"))
+            self.val_data = PromptDataset(list(d.val_files), d.prompt_key, config_path=("data", "val_files")) if d.val_files else None
+        except ConfigError as exc:
+            raise ConfigError(locate(exc.problems, pipe.file, pipe.positions, pipe.touched)) from None
+        try:
+            self.loader = PromptLoader(self.train_data, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
+        except ConfigError as exc:
+            raise pipe.error(("data", "train_batch_size"), exc.problems[0].message) from None
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
         self.resume_from = self._resume_path()

@@ -67,6 +67,11 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
+        if self.resume_from and checkpoint.load_state(self.resume_from)["step"] >= self.total_steps:
+            self.progress(f"[trainer] {self.resume_from} already holds step {self.total_steps} of {self.total_steps}: "
+                          "nothing to train. Start afresh with trainer.resume_mode=disable or a new "
+                          "trainer.experiment_name, or raise trainer.total_steps to continue.")
+            return {"steps": {}}
         with Runtime(self.pipe, self.address, self.progress) as rt:
             self.rt = rt
             if self.resume_from:

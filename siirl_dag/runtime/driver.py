@@ -295,13 +295,14 @@ class Runtime:
 
     def sync_weights(self) -> dict:
         """Bring every `weights_from` consumer up to its trainer's latest version (after a step)."""
-        from siirl_dag import weight_sync
+        from siirl_dag.weight_sync import WeightSync
 
+        self.weight_sync = getattr(self, "weight_sync", None) or WeightSync(self)
         metrics: dict = {}
         for dst, have in self.synced.items():
             src = self.pipe.nodes[dst].weights_from
             if have < self.versions[src]:
-                metrics.update(weight_sync.sync(self, src, dst, self.versions[src]))
+                metrics.update(self.weight_sync(src, dst, self.versions[src]))
                 self.synced[dst] = self.versions[src]
         return metrics
 

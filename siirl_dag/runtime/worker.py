@@ -57,6 +57,7 @@ class RankWorker:
         self.roles: dict[str, RoleSpec] = {}
         self.engines: dict[str, Any] = {}
         self.active: str | None = None  # the engine that holds the device now (hybrid engine)
+        self._weight_sync = None  # weight_sync.RankSync, made at the first sync
 
     # -- set-up ---------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -127,15 +128,16 @@ class RankWorker:
         self.active = key
 
     # -- weight sync (siirl_dag.weight_sync holds the logic) -----------------------------------
-    def export_weights(self, engine_key: str, bucket_bytes: int):
+    def weight_sync(self, op: str, *args):
+        """One step of a sync between separate meshes (export/next on the trainer's ranks,
+        open/push/close on the rollout's, join for a process group): see weight_sync.rank."""
         from siirl_dag import weight_sync
 
-        return weight_sync.export_buckets(self.engines[engine_key], self.rank, bucket_bytes, put=_put)
-
-    def import_weights(self, engine_key: str, buckets: list, version: int) -> dict:
-        from siirl_dag import weight_sync
-
-        return weight_sync.import_buckets(self.engines[engine_key], buckets, version, fetch=_resolve)
+        if self._weight_sync is None:
+            self._weight_sync = weight_sync.RankSync(self.engines, put=_put, fetch=_resolve)
+        if op == "open":
+            self._activate(args[0])
+        return getattr(self._weight_sync, op)(*args)
 
     def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
         """Colocated: wake the rollout engine, load from the trainer in memory, then free the trainer."""

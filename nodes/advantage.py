@@ -23,5 +23,7 @@ def advantage(batch, ctx):
     advantages, returns = compute_advantage(name, batch["token_level_rewards"], batch["response_mask"],
                                             index=batch["uid"], values=batch.get("values"), **params)
     out = {"advantages": advantages, "returns": returns}
-    ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"]}))
+    # the whole batch is here: value statistics (PPO) are exact, whatever the critic's data parallelism
+    seen = {"response_mask": batch["response_mask"], **({"values": batch["values"]} if "values" in batch else {})}
+    ctx.metrics.update(batch_metrics({**out, **seen}))
     return out

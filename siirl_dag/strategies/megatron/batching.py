@@ -72,6 +72,15 @@ def micro_batches(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], si
     return out
 
 
+def pad_rows(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], n: int):
+    """Repeat the first row up to `n` rows (pipeline shapes need whole micro batches); dropped later."""
+    have = aligned["input_ids"].shape[0]
+    if n == have:
+        return batch, aligned
+    idx = torch.cat([torch.arange(have), torch.zeros(n - have, dtype=torch.long)])
+    return ({k: rows(v, idx) for k, v in batch.items()}, {k: v[idx] for k, v in aligned.items()})
+
+
 def iterate(mbs: list[dict[str, Any]], copies: int) -> list[Iterator[dict[str, Any]]] | Iterator[dict[str, Any]]:
     """megatron's data_iterator: one iterator, or one per model chunk with virtual pipelining."""
     return [iter(mbs) for _ in range(copies)] if copies > 1 else iter(mbs)

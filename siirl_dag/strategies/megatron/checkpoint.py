@@ -7,6 +7,7 @@ entry point with `if __name__ == "__main__":`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from siirl_dag.strategies.megatron.hf_config import value_model_config
 from siirl_dag.strategies.megatron.hf_convert import HFSpec, export_hf
 
 # Reshardable layouts: the distributed optimizer's state is saved per parameter (not per DP
@@ -93,8 +95,6 @@ def save_hf(chunks: list[torch.nn.Module], spec: HFSpec, directory: str,
 
 
 def _write_dir(files: list[dict[str, torch.Tensor]], spec: HFSpec, directory: str, save_file) -> None:
-    import json
-
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     for fname, tensors in zip(names, files):
@@ -108,3 +108,8 @@ def _write_dir(files: list[dict[str, torch.Tensor]], spec: HFSpec, directory: st
             src = os.path.join(spec.path, fname)
             if os.path.isfile(src):
                 shutil.copy(src, os.path.join(directory, fname))
+    if spec.value_head:  # the critic's head is `score`: say so, so HF loads it as a token classifier
+        with open(os.path.join(spec.path, "config.json")) as f:
+            cfg = value_model_config(json.load(f))
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)

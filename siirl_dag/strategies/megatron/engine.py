@@ -1,4 +1,5 @@
-"""MegatronEngine: log-probs and actor updates of one model node on one rank of its mesh.
+"""MegatronEngine: log-probs and actor updates (or, as a value model, values and critic updates)
+of one model node on one rank of its mesh.
 
 Data contract: each rank is given its data-parallel shard of the batch (docs/ARCHITECTURE.md
 layout; ranks of one model-parallel group get the same shard) and every rank returns the result
@@ -24,6 +25,7 @@ from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
 LossFn = Callable[[torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tensor, dict]"]
+ValueLossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
 
 
 def _model_path(model: Any) -> str:
@@ -55,7 +57,7 @@ class MegatronEngine(Strategy):
         if self.opts["deterministic"]:
             torch.use_deterministic_algorithms(True)
         model_lib.init_parallel(self.mesh, self.opts["seed"])
-        self.spec, shape = model_lib.model_config_kwargs(_model_path(model))
+        self.spec, shape = model_lib.model_config_kwargs(_model_path(model), self.opts["value_head"])
         self.config = self._transformer_config(TransformerConfig, shape)
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh)
         self.train_state: optim.Trainable | None = None
@@ -68,12 +70,7 @@ class MegatronEngine(Strategy):
         recompute = o["recompute_granularity"]
         kw = dict(
             shape,
-            tensor_model_parallel_size=m.tp,
-            pipeline_model_parallel_size=m.pp,
-            virtual_pipeline_model_parallel_size=m.vpp if m.vpp > 1 else None,
-            context_parallel_size=m.cp,
-            expert_model_parallel_size=m.ep,
-            expert_tensor_parallel_size=m.etp,
+            **m.parallel_kwargs(),
             sequence_parallel=o["sequence_parallel"] and m.tp > 1,
             params_dtype=dtype,
             pipeline_dtype=dtype,
@@ -191,30 +188,39 @@ class MegatronEngine(Strategy):
             fits = [d for d in fits if (rows // d) % self.mesh.pp == 0] or fits
         return max(fits)
 
+    def _response_values(self, mb: dict, values: torch.Tensor) -> torch.Tensor:
+        """Value-head output [b, s(/cp), 1] -> the value of the state before each response token, [b, R]."""
+        full = context_parallel.gather(values.squeeze(-1).float())
+        return full.gather(1, mb["_logit_index"]) * mb["_response_mask"]
+
+    def _need(self, value_model: bool, what: str) -> None:
+        """Log-probs need the LM head, values the value head: refuse the other kind of engine."""
+        if self.spec.value_head != value_model:
+            has = "a value model (value_head: true)" if self.spec.value_head else "a language model"
+            raise ConfigError(f"{what} needs {'a value' if value_model else 'a language'} model, but this engine "
+                              f"holds {has}; expected value_head: {str(value_model).lower()} on this mesh and model",
+                              ("options", "value_head"))
+
     @torch.no_grad()
-    def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0,
-                         micro_batch_size: int | None = None, return_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding."""
+    def _forward_only(self, batch: Mapping[str, Any], micro_batch_size: int | None, head: Callable,
+                      keys: list[str]) -> dict[str, torch.Tensor]:
+        """Run `head(micro_batch, model output) -> {key: [b, R]}` over micro batches through the
+        pipeline schedule; every rank gets the [B, R] results of its shard."""
         n_rows, resp_len = batch["responses"].shape
         aligned, seq = self._prepare(batch)
         mbs = self._micro_size(micro_batch_size or self.opts["micro_batch_size"], seq)
         n_micro = self._dp_max(-(-n_rows // mbs))[0]
         if self.mesh.vpp > 1:  # the interleaved schedule runs micro batches in groups of pp
             n_micro = -(-n_micro // self.mesh.pp) * self.mesh.pp
-        padded = _pad_rows(batch, aligned, n_micro * mbs)
+        padded = batching.pad_rows(batch, aligned, n_micro * mbs)
         micro = batching.micro_batches(*padded, mbs)
 
-        def loss(mb, logits):
-            lp, ent = self._response_logprobs(mb, logits, temperature, return_entropy)
-            out = {"logprobs": lp.float()}
-            if ent is not None:
-                out["entropy"] = ent.float()
-            return logits.new_zeros(()), out
+        def loss(mb, output):
+            return output.new_zeros(()), {k: v.float() for k, v in head(mb, output).items()}
 
         for m in self._model:
             m.eval()
         results = self._run(micro, loss, seq, mbs, forward_only=True)
-        keys = ["logprobs"] + (["entropy"] if return_entropy else [])
         out = {}
         for k in keys:
             if self._ps().is_pipeline_last_stage(ignore_virtual=True):
@@ -223,6 +229,28 @@ class MegatronEngine(Strategy):
                 full = torch.zeros(n_rows, resp_len)
             out[k] = self._from_last_stage(full)
         return out
+
+    def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0,
+                         micro_batch_size: int | None = None, return_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding."""
+        self._need(False, "compute_logprobs")
+
+        def head(mb, logits):
+            lp, ent = self._response_logprobs(mb, logits, temperature, return_entropy)
+            return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
+
+        keys = ["logprobs"] + (["entropy"] if return_entropy else [])
+        return self._forward_only(batch, micro_batch_size, head, keys)
+
+    def compute_values(self, batch: Mapping[str, Any], micro_batch_size: int | None = None) -> torch.Tensor:
+        """Values [B, R]: entry j is the value of the state before response token j (the output at
+        position P+j-1, as verl's critic); 0 on response padding."""
+        self._need(True, "compute_values")
+
+        def head(mb, values):
+            return {"values": self._response_values(mb, values)}
+
+        return self._forward_only(batch, micro_batch_size, head, ["values"])["values"]
 
     # --------------------------------------------------------------- train
     def train(self, batch: Mapping[str, Any], loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
@@ -233,14 +261,34 @@ class MegatronEngine(Strategy):
         micro_batch_size is per rank. loss_fn(logprobs [b,R], entropy [b,R] | None, micro_batch)
         -> (scalar loss, metrics); each micro batch's loss weighs 1/num_micro_batches.
         """
+        self._need(False, "train")
+
+        def loss(mb, logits):
+            return loss_fn(*self._response_logprobs(mb, logits, 1.0, entropy), mb)
+
+        return self._update(batch, loss, mini_batch_size, micro_batch_size, epochs)
+
+    def train_values(self, batch: Mapping[str, Any], loss_fn: ValueLossFn, mini_batch_size: int,
+                     micro_batch_size: int | None = None, epochs: int = 1) -> dict[str, float]:
+        """The critic's update, as `train` but with loss_fn(values [b,R], micro_batch) -> (loss, metrics);
+        micro_batch_size defaults to the `micro_batch_size` option."""
+        self._need(True, "train_values")
+
+        def loss(mb, values):
+            return loss_fn(self._response_values(mb, values), mb)
+
+        return self._update(batch, loss, mini_batch_size, micro_batch_size or self.opts["micro_batch_size"], epochs)
+
+    def _update(self, batch: Mapping[str, Any], loss_fn: Callable, mini_batch_size: int, micro_batch_size: int,
+                epochs: int) -> dict[str, float]:
+        """The mini-batch loop of `train` / `train_values`; loss_fn(micro_batch, model output)."""
         state = self._trainable()
         n_rows = batch["responses"].shape[0]
         aligned, seq = self._prepare(batch)
         local_mini, micro_batch_size = self._train_layout(n_rows, mini_batch_size, micro_batch_size, seq)
 
-        def loss(mb, logits):
-            lp, ent = self._response_logprobs(mb, logits, 1.0, entropy)
-            value, metrics = loss_fn(lp, ent, mb)
+        def loss(mb, output):
+            value, metrics = loss_fn(mb, output)
             # megatron scales the returned loss in place: report a copy
             return value, {"loss": value.detach().clone(), **metrics}
 
@@ -350,11 +398,3 @@ class MegatronEngine(Strategy):
         if to_host:
             torch.cuda.empty_cache()
 
-
-def _pad_rows(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], rows: int):
-    """Repeat the first row up to `rows` (pipeline shapes need whole micro batches); dropped later."""
-    n = aligned["input_ids"].shape[0]
-    if rows == n:
-        return batch, aligned
-    idx = torch.cat([torch.arange(n), torch.zeros(rows - n, dtype=torch.long)])
-    return ({k: batching.rows(v, idx) for k, v in batch.items()}, {k: v[idx] for k, v in aligned.items()})

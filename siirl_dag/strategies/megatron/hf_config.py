@@ -2,7 +2,7 @@
 architecture) and the model-shape part of TransformerConfig.
 
 Supported: Llama, Qwen2 (qkv bias), Qwen3 (q/k norm), Qwen3-MoE (experts, router); anything else is a
-ConfigError naming what is not supported.
+ConfigError naming what is not supported. Any of them can be built as a value model (critic).
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ class HFSpec:
     moe_topk: int | None = None
     moe_norm_topk: bool = True
     moe_layers: tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense, per layer
+    value_head: bool = False  # a critic: 1-wide value head (HF `score`) instead of the LM head, never tied
 
 
-def read_hf_config(path: str) -> HFSpec:
-    """Parse and check `config.json` of an HF model directory."""
+def read_hf_config(path: str, value_head: bool = False) -> HFSpec:
+    """Parse and check `config.json` of an HF model directory (as a value model with `value_head`)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
@@ -95,15 +96,24 @@ def read_hf_config(path: str) -> HFSpec:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
+        tied=bool(cfg.get("tie_word_embeddings", False)) and not value_head,
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         rotary_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         rope_scaling_factor=factor,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         init_std=cfg.get("initializer_range", 0.02),
+        value_head=value_head,
         **moe,
     )
+
+
+def value_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The HF config of an exported value model: it loads as `AutoModelForTokenClassification`
+    with one label and a bias-free `score` head (the trunk's weights keep their names)."""
+    archs = [a.replace("ForCausalLM", "ForTokenClassification") for a in cfg.get("architectures") or []]
+    return {**cfg, "architectures": archs, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+            "token_classification_bias": False, "tie_word_embeddings": False}
 
 
 def transformer_config_kwargs(spec: HFSpec) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Everything is driven by one table, `RULES`: a megatron parameter (name relative 
 and split over tensor parallelism. Loading walks the model's own parameters, so TP/PP/VPP/EP
 sharding falls out of which parameters a rank holds; exporting walks the same table backwards and
 gathers TP shards, EP experts and PP stages. A later adapter (LoRA) adds rules or kinds, not code
-paths.
+paths. A value model (critic) swaps one rule: its output layer is HF's `score` head.
 
 Fused layouts (megatron's, not HF's):
 - qkv: per query group g, rows [q heads of g; k_g; v_g]; TP shards are whole groups.
@@ -17,6 +17,7 @@ Fused layouts (megatron's, not HF's):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.megatron.hf_config import HFSpec
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -65,6 +69,10 @@ _TE_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 _BY_NAME = {r.mcore: r for r in RULES}
+# The critic's value head, replicated on TP ranks. Loaded from the first name present (`score`:
+# HF sequence/token classification and reward models; `value_head`: OpenRLHF-style critics).
+VALUE_HEAD = Rule("output_layer.weight", ("score.weight",), "copy")
+_VALUE_HEAD_NAMES = ("score.weight", "value_head.weight")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
@@ -95,7 +103,7 @@ def _ps():
     return parallel_state
 
 
-def bind(chunks: list[torch.nn.Module]) -> list[Bound]:
+def bind(chunks: list[torch.nn.Module], value_head: bool = False) -> list[Bound]:
     """Resolve every parameter of the model chunks (unwrapped GPTModels) to a table rule."""
     ps = _ps()
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -112,7 +120,7 @@ def bind(chunks: list[torch.nn.Module]) -> list[Bound]:
                 if e:
                     n_local = len(chunk.decoder.layers[int(m.group(1))].mlp.experts.local_experts)
                     expert, name = ep_rank * n_local + int(e.group(1)), "mlp.experts.local_experts.{e}." + e.group(2)
-            rule = _BY_NAME.get(name)
+            rule = VALUE_HEAD if value_head and name == VALUE_HEAD.mcore else _BY_NAME.get(name)
             if rule is None:
                 raise NotImplementedError(f"no HF mapping for megatron parameter {name!r}")
             out.append(Bound(rule, param, layer, expert))
@@ -154,9 +162,10 @@ def to_mcore(kind: str, hf: list[torch.Tensor], spec: HFSpec, rank: int, size: i
 
 
 def to_hf(kind: str, shards: list[torch.Tensor], spec: HFSpec) -> list[torch.Tensor]:
-    """All TP shards of one megatron parameter -> the HF tensors (inverse of `to_mcore`)."""
+    """All TP shards of one megatron parameter -> the HF tensors (inverse of `to_mcore`), never
+    aliasing a shard (exported tensors must not change with the live parameters)."""
     if kind == "copy":
-        return [shards[0]]
+        return [shards[0].clone()]
     if kind == "vocab":
         return [torch.cat(shards)[: spec.vocab_size]]
     if kind == "col":
@@ -191,12 +200,28 @@ def _open_shards(path: str):
     return {k: h for h in handles for k in h.keys()}
 
 
+def _value_head_name(names: dict, spec: HFSpec) -> str | None:
+    """The checkpoint's value head, or None (a fresh critic keeps its zero-initialised head)."""
+    if "score.bias" in names:
+        raise ConfigError(f"HF checkpoint {spec.path!r} has a `score.bias`; the value head has no bias "
+                          "(expected a bias-free head, e.g. a sequence-classification reward model)")
+    found = next((n for n in _VALUE_HEAD_NAMES if n in names), None)
+    if found is None:
+        log.info("%s has no value head (%s): it starts at zero", spec.path, " / ".join(_VALUE_HEAD_NAMES))
+    return found
+
+
 @torch.no_grad()
 def load_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> None:
     """Copy this rank's shards of the HF weights into the model chunks (no communication)."""
     names = _open_shards(spec.path)
-    for b in bind(chunks):
-        if b.rule.mcore == "output_layer.weight" and spec.tied:
+    for b in bind(chunks, spec.value_head):
+        if b.rule is VALUE_HEAD:
+            head = _value_head_name(names, spec)
+            if head is None:
+                continue
+            hf_names = [head]
+        elif b.rule.mcore == "output_layer.weight" and spec.tied:
             hf_names = ["model.embed_tokens.weight"]
         else:
             hf_names = b.hf_names()
@@ -256,7 +281,7 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> Iterator[tuple[str
     """
     ps = _ps()
     units: dict[tuple, list[Bound]] = {}
-    for b in bind(chunks):
+    for b in bind(chunks, spec.value_head):
         units.setdefault(b.unit, []).append(b)
     pp_size, pp_group = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()
     owners: dict[tuple, int] = {u: 0 for u in units}

@@ -1,4 +1,5 @@
-"""Mesh -> megatron parallel_state, and HF model directory -> GPTModel chunks with HF weights."""
+"""Mesh -> megatron parallel_state, and HF model directory -> GPTModel chunks with HF weights
+(a language model, or with `value_head` a critic: the same trunk under a 1-wide value head)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from siirl_dag.strategies.megatron import cpu_compat
 from siirl_dag.strategies.megatron.hf_config import HFSpec, read_hf_config, transformer_config_kwargs
 from siirl_dag.strategies.megatron.hf_convert import load_hf
 
-# mesh size key (RankContext.sizes) -> the option that may restate it
+# mesh size key (RankContext.sizes) -> the option that may restate it, which is also the keyword
+# megatron's initialize_model_parallel and TransformerConfig take
 _SIZE_OPTIONS = {
     "tp": "tensor_model_parallel_size",
     "pp": "pipeline_model_parallel_size",
@@ -32,6 +34,11 @@ class Mesh:
     ep: int = 1
     etp: int = 1
     dp: int = 1
+
+    def parallel_kwargs(self) -> dict[str, int | None]:
+        """The parallel sizes as megatron's keywords (parallel_state and TransformerConfig alike)."""
+        return {opt: None if key == "vpp" and self.vpp == 1 else getattr(self, key)
+                for key, opt in _SIZE_OPTIONS.items()}
 
 
 def resolve_mesh(sizes: dict[str, int], options: dict[str, Any], world_size: int) -> Mesh:
@@ -75,14 +82,7 @@ def init_parallel(mesh: Mesh, seed: int) -> None:
             raise ConfigError(f"this process already holds a megatron mesh (tp,pp,cp,ep)={have}; "
                               f"expected the same for every megatron node it hosts, got {mesh}")
     else:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=mesh.tp,
-            pipeline_model_parallel_size=mesh.pp,
-            virtual_pipeline_model_parallel_size=mesh.vpp if mesh.vpp > 1 else None,
-            context_parallel_size=mesh.cp,
-            expert_model_parallel_size=mesh.ep,
-            expert_tensor_parallel_size=mesh.etp,
-        )
+        ps.initialize_model_parallel(**mesh.parallel_kwargs())
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
@@ -94,6 +94,31 @@ def use_transformer_engine() -> bool:
     except ImportError:
         return False
     return True
+
+
+class ValueHead(torch.nn.Linear):
+    """The critic's output layer (verl's LinearForLastLayer): hidden -> one value per position.
+
+    Replicated on TP ranks (a 1-wide output cannot be split); zero-initialised, so a critic
+    without a trained head predicts 0. With sequence parallelism each TP rank sees a slice of
+    the sequence: the values are gathered, and the weight's grads are summed over TP by
+    megatron (the `sequence_parallel` tag), as for norm weights.
+    """
+
+    def __init__(self, config, device: torch.device):
+        super().__init__(config.hidden_size, 1, bias=False, device=device, dtype=config.params_dtype)
+        torch.nn.init.zeros_(self.weight)
+        self.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.is_embedding_or_output_parameter = True
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):  # GPTModel's call
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        values = super().forward(hidden)
+        if self.sequence_parallel:
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
 
 
 def build_model(spec: HFSpec, config, mesh: Mesh) -> list[torch.nn.Module]:
@@ -126,11 +151,13 @@ def build_model(spec: HFSpec, config, mesh: Mesh) -> list[torch.nn.Module]:
             parallel_output=True,
             vp_stage=vp_stage,
         )
+        if spec.value_head and chunk.post_process:
+            chunk.output_layer = ValueHead(config, chunk.output_layer.weight.device)
         chunks.append(chunk)
     load_hf(chunks, spec)
     return chunks
 
 
-def model_config_kwargs(path: str) -> tuple[HFSpec, dict[str, Any]]:
-    spec = read_hf_config(path)
+def model_config_kwargs(path: str, value_head: bool = False) -> tuple[HFSpec, dict[str, Any]]:
+    spec = read_hf_config(path, value_head)
     return spec, transformer_config_kwargs(spec)

@@ -112,14 +112,19 @@ def make_tiny_hf(directory: str, arch: str = "qwen2", seed: int = 0, **overrides
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).float()
-    with torch.no_grad():  # random (not zero/one) norms and biases, so conversions must be exact
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+    randomize_norms_and_biases(model)
     model.save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def randomize_norms_and_biases(model) -> None:
+    """Random (not zero/one) norms and biases, so conversions must be exact to pass."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn_like(p))
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn_like(p))
 
 
 def hf_logits(path: str, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import TINY, make_batch, make_tiny_hf, run_ranks
+from dist_utils import TINY, make_batch, make_tiny_hf, randomize_norms_and_biases, run_ranks
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext
 
@@ -22,12 +22,7 @@ def make_critic_hf(directory: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(**TINY, num_labels=1, token_classification_bias=False)
     model = transformers.Qwen2ForTokenClassification(config).float()
-    with torch.no_grad():  # random (not zero/one) norms and biases, so conversions must be exact
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+    randomize_norms_and_biases(model)
     model.save_pretrained(directory)
     return directory
 

@@ -112,8 +112,8 @@ class RayBackend:
         threads = max(1, int(self.pipeline.runtime.cpus_per_rank))
         options: dict[str, Any] = {"name": None, "max_concurrency": 1,
                                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
-        if device is None:  # the compute worker: reward, advantage ... beside the driver
-            options.update(num_cpus=0, max_concurrency=8)
+        if device is None:  # a compute worker: reward, advantage ... beside the driver (threaded actors are slower)
+            options.update(num_cpus=0)
         else:
             machine, local = divmod(device, cluster.devices_per_node)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.groups[machine], placement_group_bundle_index=local)

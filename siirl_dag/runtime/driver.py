@@ -24,6 +24,7 @@ from siirl_dag.strategies.base import RankContext
 
 SOURCE = "__source__"
 COMPUTE = "__compute__"
+COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
 
 
 class PipelineError(RuntimeError):
@@ -86,7 +87,7 @@ class Runtime:
             if mesh.colocated_with is None:
                 world = mesh.component.world_size
                 self.workers[name] = [self.backend.create_worker(name, r, world, mesh.ranks[r].device) for r in range(world)]
-        self.workers[COMPUTE] = [self.backend.create_worker(COMPUTE, 0, 1, None)]
+        self.workers[COMPUTE] = self._compute_pool()
         self._init_distributed()
         per_worker: dict[int, tuple] = {}
         for node in pipe.nodes.values():
@@ -102,6 +103,9 @@ class Runtime:
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
+
+    def _compute_pool(self) -> list:
+        return [self.backend.create_worker(COMPUTE, i, 1, None) for i in range(COMPUTE_WORKERS)]
 
     def _check_local(self) -> None:
         if self.backend.name != "local":
@@ -128,7 +132,8 @@ class Runtime:
         if not node.mesh:
             role = RoleSpec(node, kind, None, None, None, pipe.data, tokenizer,
                             RankContext(0, 1, "cpu", seed=pipe.trainer.seed), 0, 1, True, pipe.samples_per_prompt(node.id))
-            return [(self.workers[COMPUTE][0], role)]
+            pool = self.workers[COMPUTE]
+            return [(pool[node.index % len(pool)], role)]
         mesh = pipe.plan.meshes[node.mesh]
         sizes = {k: mesh.sizes[k] for k in ("dp", "tp", "pp", "cp", "ep", "etp", "edp")}
         sizes["vpp"] = node.options.get("virtual_pipeline_model_parallel_size") or 1
@@ -276,7 +281,7 @@ class Runtime:
         for w in old:
             self.backend.kill(w)
         if group == COMPUTE:
-            self.workers[group] = [self.backend.create_worker(COMPUTE, 0, 1, None)]
+            self.workers[group] = self._compute_pool()
         else:
             mesh = self.pipe.plan.meshes[group]
             world = mesh.component.world_size

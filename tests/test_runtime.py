@@ -222,5 +222,7 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; stopped cleanly." in err and "Traceback" not in err
-    time.sleep(2)
+    deadline = time.time() + 30
+    while _rays() > before and time.time() < deadline:
+        time.sleep(0.5)
     assert _rays() == before, "the run's Ray processes must be gone"

@@ -41,7 +41,7 @@ class LocalBackend:
             return [_Done(error=exc)] * num_returns if num_returns > 1 else _Done(error=exc)
         return [_Done(v) for v in value] if num_returns > 1 else _Done(value)
 
-    def get(self, done):
+    def get(self, done, timeout: float | None = None):
         if isinstance(done, list):
             return [self.get(d) for d in done]
         if done.error is not None:
@@ -125,10 +125,10 @@ class RayBackend:
     def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
         return getattr(worker, method).options(num_returns=num_returns).remote(*args, **kwargs)
 
-    def get(self, ref):
+    def get(self, ref, timeout: float | None = None):
         import ray
 
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout)
 
     def put(self, value):
         import ray

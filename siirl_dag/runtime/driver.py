@@ -105,7 +105,7 @@ class Runtime:
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
     def _compute_pool(self) -> list:
-        return [self.backend.create_worker(COMPUTE, i, 1, None) for i in range(COMPUTE_WORKERS)]
+        return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]  # each a 1-rank group
 
     def _check_local(self) -> None:
         if self.backend.name != "local":
@@ -333,14 +333,16 @@ class Runtime:
         return self.backend.get([self.backend.call(w, "call_engine", role.engine_key, method, *args, **kwargs)
                                  for w, role in self.roles[node_id]])
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 20.0) -> None:
+        """Close every engine (a worker still busy, after Ctrl-C say, gets `grace_s`), then kill all workers."""
         try:
-            for workers in self.workers.values():
-                for w in workers:
-                    try:
-                        self.backend.get(self.backend.call(w, "shutdown"))
-                    except Exception:  # noqa: BLE001 - a dead worker has nothing left to close
-                        pass
+            calls = [self.backend.call(w, "shutdown") for workers in self.workers.values() for w in workers]
+            deadline = time.perf_counter() + grace_s
+            for call in calls:
+                try:
+                    self.backend.get(call, timeout=max(deadline - time.perf_counter(), 0.1))
+                except Exception:  # noqa: BLE001 - dead or stuck: the backend kills it next
+                    pass
         finally:
             self.workers.clear()
             self.backend.shutdown()

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import queue
 import shutil
-import socket
 import tempfile
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from dist_utils import run_ranks
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.strategies.vllm.rollout import VllmRollout
@@ -218,52 +214,22 @@ def test_offload_onload_keep_the_engine_usable(vllm_engine):
 
 # --- in fresh processes: tensor parallel over two gloo ranks, and an MoE model ---------------------
 
-def _rank_main(rank, world, port, sizes, model_dir, update_path, results):
-    """One rank: greedy rollout, weight update from a file, greedy rollout again."""
+def _rank_main(rank, world, sizes, model_dir, update_path):
+    """One rank (gloo group made by dist_utils): greedy rollout, weight update from a file, greedy again."""
     from conftest import VLLM_TEST_OPTIONS
 
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     engine = VllmRollout(RankContext(rank, world, sizes=sizes), model_dir, dict(VLLM_TEST_OPTIONS))
     before = engine.generate(PROMPTS, {"greedy": True}, P, R)
     engine.load_weights(load_file(update_path).items(), version=1)
-    results.put((rank, before, engine.generate(PROMPTS, {"greedy": True}, P, R)))
+    after = engine.generate(PROMPTS, {"greedy": True}, P, R)
     engine.close()
-
-
-def run_ranks(world, sizes, model_dir, update_path, timeout_s=300):
-    """Spawn `world` ranks of `_rank_main`; fail fast when one dies instead of waiting out the timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, model_dir, update_path, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out, deadline = [], time.monotonic() + timeout_s
-    try:
-        while len(out) < world and time.monotonic() < deadline:
-            try:
-                out.append(results.get(timeout=2))
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    pytest.fail(f"a rank exited early: exit codes {[p.exitcode for p in procs]}")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert len(out) == world, "ranks timed out"
-    return [batches for _, *batches in sorted(out, key=lambda r: r[0])]
+    return before, after
 
 
 def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path):
     perturbed = perturb(checkpoint(tiny_model_dir), seed=1)
     save_file(perturbed, tmp_path / "update.safetensors")
-    outs = run_ranks(2, {"dp": 1, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"))
+    outs = run_ranks(_rank_main, 2, {"dp": 1, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"), timeout=300)
     reference = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
     ref_after = hf_model(tiny_model_dir, perturbed)
     for before, after in outs:  # both ranks of the one engine return the same batch
@@ -280,7 +246,7 @@ def test_moe_model_with_untied_head_takes_weight_updates(tmp_path):
     model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, tie_word_embeddings=False)
     perturbed = perturb(checkpoint(model_dir), seed=2)
     save_file(perturbed, tmp_path / "update.safetensors")
-    [(before, after)] = run_ranks(1, {"dp": 1, "tp": 1}, model_dir, str(tmp_path / "update.safetensors"))
+    [(before, after)] = run_ranks(_rank_main, 1, {"dp": 1, "tp": 1}, model_dir, str(tmp_path / "update.safetensors"), timeout=300)
     for batch, model in ((before, hf_model(model_dir)), (after, hf_model(model_dir, perturbed))):
         mask = batch["response_mask"].bool()
         torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(model, batch)[mask], atol=1e-4, rtol=0)

@@ -2,7 +2,7 @@
 
 from siirl_dag.registry import node_kind
 
-_BASE = ("responses", "response_mask", "data_source", "ground_truth")
+_BASE = ("responses", "response_mask", "prompt_mask", "data_source", "ground_truth")  # prompt_mask: metrics
 
 
 def _consumes(params):
@@ -33,5 +33,5 @@ def reward(batch, ctx):
                                                batch["response_mask"], p["kl_coef"], p["kl_estimator"])
         ctx.metrics["critic/kl"] = kl
     out = {"token_level_scores": token_scores, "token_level_rewards": rewards}
-    ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"]}))
+    ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"], "prompt_mask": batch["prompt_mask"]}))
     return out

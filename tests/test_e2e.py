@@ -34,7 +34,7 @@ runtime: {{backend: {backend}}}
 """
 SEPARATE = '  gen: "vllm:d1"\n  train: "megatron:d1"\n  ref: {alloc: "megatron:d1", colocate_with: train}'
 COLOCATED = '  train: "megatron:d1"\n  gen: {alloc: "vllm:d1", colocate_with: train}\n  ref: {alloc: "megatron:d1", colocate_with: train}'
-METRICS = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
+METRICS = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "prompt_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
            "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing_s/rollout",
            "timing_s/actor_update", "timing_s/step", "timing_s/sync_weights", "perf/throughput", "val-core/demo/arith/acc"]
 

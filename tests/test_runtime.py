@@ -226,3 +226,19 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     while _rays() > before and time.time() < deadline:
         time.sleep(0.5)
     assert _rays() == before, "the run's Ray processes must be gone"
+
+
+def test_wire_format_is_exact_and_narrow():
+    """int64 ids/masks cross the object store narrowed (uint8/int32) and come back identical."""
+    from siirl_dag.runtime.batch import tensor_from_wire, tensor_to_wire
+
+    cases = {"mask": (torch.tensor([[1, 0, 1]]), "uint8"), "ids": (torch.tensor([[0, 70000, -5]]), "int32"),
+             "big": (torch.tensor([[2**40, 1]]), "int64"), "f": (torch.tensor([0.5, 1.5]), "float32"),
+             "bf16": (torch.tensor([1.0, 2.5], dtype=torch.bfloat16), "int16")}
+    for name, (t, sent) in cases.items():
+        array, dtype = tensor_to_wire(t)
+        array.setflags(write=False)  # as the object store hands it out
+        assert str(array.dtype) == sent, name
+        for copy in (True, False):
+            back = tensor_from_wire(array, dtype, copy=copy)
+            assert back.dtype == t.dtype and torch.equal(back, t), (name, copy)

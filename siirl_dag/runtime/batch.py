@@ -7,6 +7,7 @@ concat and merge, and the wire format must be numpy (zero-copy out of the Ray ob
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -99,17 +100,34 @@ class Batch(Mapping):
 
 
 def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    """(numpy array, dtype name); bfloat16, which numpy lacks, travels as its raw bits."""
+    """(numpy array, dtype name). bfloat16, which numpy lacks, travels as its raw bits; int64 tensors
+    (token ids, masks) travel in the narrowest of uint8/int32 that holds their values, exactly."""
     t = t.detach().cpu()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if t.dtype == torch.int64 and t.numel():
+        low, high = t.aminmax()
+        if low >= 0 and high <= 255:
+            t = t.to(torch.uint8)
+        elif low >= -(2**31) and high < 2**31:
+            t = t.to(torch.int32)
     raw = t.view(_NUMPY_UNSUPPORTED[t.dtype]) if t.dtype in _NUMPY_UNSUPPORTED else t
-    return raw.numpy(), str(t.dtype).removeprefix("torch.")
+    return raw.numpy(), dtype
 
 
-def tensor_from_wire(array, dtype: str) -> torch.Tensor:
+def tensor_from_wire(array, dtype: str, copy: bool = True) -> torch.Tensor:
+    """The tensor `tensor_to_wire` sent. Object-store arrays are read-only views of shared memory:
+    by default the tensor owns a copy (consumers may write in place); copy=False views the memory,
+    for readers that only copy out of it (weight loading)."""
     array = np.asarray(array)
-    # object-store arrays are read-only views; consumers may write in place, so own a copy
-    t = torch.from_numpy(array if array.flags.writeable else array.copy())
-    return t.view(getattr(torch, dtype)) if str(t.dtype).removeprefix("torch.") != dtype else t
+    if dtype == "int64" and array.dtype != np.int64:
+        return torch.from_numpy(array.astype(np.int64))  # widening is itself the copy
+    if copy and not array.flags.writeable:
+        array = array.copy()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(array)
+    target = getattr(torch, dtype)
+    return t.view(target) if t.dtype != target else t
 
 
 def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:

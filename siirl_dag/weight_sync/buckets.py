@@ -8,12 +8,11 @@ about one layer plus one bucket, however large the model.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Iterable, Iterator
 
 import torch
 
-from siirl_dag.runtime.batch import tensor_to_wire
+from siirl_dag.runtime.batch import tensor_from_wire, tensor_to_wire
 
 Named = tuple[str, torch.Tensor]
 
@@ -74,7 +73,4 @@ def from_wire(wire: dict) -> Iterator[Named]:
     """Tensors viewing the wire arrays. Object-store arrays are read-only views of shared memory; the
     engine's loader only reads them (it copies into its own parameters), so no private copy is made."""
     for name, (array, dtype) in wire.items():
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            t = torch.from_numpy(array)
-        yield name, (t.view(getattr(torch, dtype)) if str(t.dtype).removeprefix("torch.") != dtype else t)
+        yield name, tensor_from_wire(array, dtype, copy=False)

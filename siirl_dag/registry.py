@@ -9,7 +9,7 @@ named in the YAML as `module:function`.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
 Keys = Union[Sequence[str], Callable[[dict], Sequence[str]]]
@@ -25,7 +25,6 @@ class NodeKind:
     params_schema: str | None = None  # file under schemas/nodes/
     trains: bool = False  # updates weights of its model (a valid `weights_from` target)
     check: Callable[..., list] | None = None  # extra checks: check(node, pipeline) -> [Problem]
-    doc: str = field(default="", compare=False)
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -61,7 +60,7 @@ def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = 
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
-                        params_schema, trains, check, (fn.__doc__ or "").strip().split("\n")[0])
+                        params_schema, trains, check)
         fn.node_kind = kind
         if name is not None:
             if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):

@@ -58,9 +58,6 @@ class Batch(Mapping):
         rows = index.tolist()
         return Batch({k: v[index] for k, v in self.tensors.items()}, {k: [v[i] for i in rows] for k, v in self.meta.items()})
 
-    def slice(self, start: int, stop: int) -> "Batch":
-        return Batch({k: v[start:stop] for k, v in self.tensors.items()}, {k: v[start:stop] for k, v in self.meta.items()})
-
     def only(self, keys: Iterable[str]) -> "Batch":
         keys = set(keys)
         return Batch({k: v for k, v in self.tensors.items() if k in keys}, {k: v for k, v in self.meta.items() if k in keys})

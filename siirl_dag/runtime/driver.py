@@ -63,6 +63,8 @@ class Runtime:
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
         self.order = list(pipeline.nodes)
+        # each node's ancestors, nearest (latest in DAG order) first: where its inputs come from
+        self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
         self.attempts: dict[str, int] = {}
         # weight versions: updates done by each training node, and the version each consumer holds
         self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
@@ -85,27 +87,41 @@ class Runtime:
         self.backend.start()
         for name, mesh in pipe.plan.meshes.items():
             if mesh.colocated_with is None:
-                world = mesh.component.world_size
-                self.workers[name] = [self.backend.create_worker(name, r, world, mesh.ranks[r].device) for r in range(world)]
-        self.workers[COMPUTE] = self._compute_pool()
-        self._init_distributed()
-        per_worker: dict[int, tuple] = {}
-        for node in pipe.nodes.values():
-            self.roles[node.id] = []
-            for worker, role in self._roles_of(node):
-                per_worker.setdefault(id(worker), (worker, []))[1].append(role)
-                self.roles[node.id].append((worker, role))
+                self.workers[name] = self._create_group(name)
+                self._init_group(self.workers[name])
+        self.workers[COMPUTE] = self._create_group(COMPUTE)
+        self.roles = {node.id: self._roles_of(node) for node in pipe.nodes.values()}
         t = time.perf_counter()
-        progress(f"[runtime] {self.backend.name}: building engines on {len(per_worker)} worker(s) ...")
+        busy = {id(w) for pairs in self.roles.values() for w, _ in pairs}
+        progress(f"[runtime] {self.backend.name}: building engines on {len(busy)} worker(s) ...")
         try:
-            self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+            self._add_roles([w for workers in self.workers.values() for w in workers])
         except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
-    def _compute_pool(self) -> list:
-        return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]  # each a 1-rank group
+    def _create_group(self, group: str) -> list:
+        """The workers of an anchor mesh (one per rank), or the pool of one-rank compute workers."""
+        if group == COMPUTE:
+            return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]
+        mesh = self.pipe.plan.meshes[group]
+        world = mesh.component.world_size
+        return [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
+
+    def _init_group(self, workers: list) -> None:
+        """One torch.distributed group over a mesh's workers, rendezvous at rank 0."""
+        addr, port = self.backend.get(self.backend.call(workers[0], "address"))
+        self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
+
+    def _add_roles(self, workers: list) -> None:
+        """Send each of `workers` its roles (in node order) and let it build its engines."""
+        wanted, per_worker = {id(w) for w in workers}, {}
+        for pairs in self.roles.values():
+            for w, role in pairs:
+                if id(w) in wanted:
+                    per_worker.setdefault(id(w), (w, []))[1].append(role)
+        self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
 
     def _check_local(self) -> None:
         if self.backend.name != "local":
@@ -117,13 +133,6 @@ class Runtime:
                 raise ConfigError(f"runtime.backend=local runs every rank in this process, but mesh '{node.mesh}' of "
                                   f"node '{node.id}' has several ranks; use runtime.backend=ray",
                                   ("runtime", "backend"))
-
-    def _init_distributed(self) -> None:
-        uses_engine = {self._anchor(n.mesh) for n in self.pipe.nodes.values() if n.mesh}
-        for anchor in uses_engine:
-            workers = self.workers[anchor]
-            addr, port = self.backend.get(self.backend.call(workers[0], "address"))
-            self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
 
     def _roles_of(self, node):
         pipe = self.pipe
@@ -153,10 +162,8 @@ class Runtime:
         """A model node's own tokenizer; a compute node gets the nearest upstream model's."""
         if node.model:
             return self.pipe.models[node.model].tokenizer_path
-        for up in reversed(self.order):
-            if up in nx.ancestors(self.pipe.graph, node.id) and self.pipe.nodes[up].model:
-                return self.pipe.models[self.pipe.nodes[up].model].tokenizer_path
-        return None
+        model = next((self.pipe.nodes[up].model for up in self.upstream[node.id] if self.pipe.nodes[up].model), None)
+        return self.pipe.models[model].tokenizer_path if model else None
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, source: Batch, step: int, validating: bool = False, nodes: Iterable[str] | None = None) -> StepResult:
@@ -191,9 +198,8 @@ class Runtime:
 
     def _owner(self, key: str, node_id: str, outputs: dict) -> str:
         """The node whose output holds `key` for `node_id`: the latest upstream holder in DAG order."""
-        ancestors = nx.ancestors(self.pipe.graph, node_id)
-        for up in reversed(self.order):
-            if up in ancestors and up in outputs and key in outputs[up].keys:
+        for up in self.upstream[node_id]:
+            if up in outputs and key in outputs[up].keys:
                 return up
         if key in outputs[SOURCE].keys or key in SOURCE_KEYS:
             return SOURCE
@@ -232,11 +238,7 @@ class Runtime:
         return _Running(node_id, calls, ranks, time.perf_counter(), remaining)
 
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
-        ancestors = nx.ancestors(self.pipe.graph, node_id)
-        for up in reversed(self.order):
-            if up in ancestors and up in outputs and outputs[up].rows:
-                return up
-        return SOURCE
+        return next((up for up in self.upstream[node_id] if up in outputs and outputs[up].rows), SOURCE)
 
     def _collect(self, run: _Running, result: StepResult, step: int, validating: bool, running: dict) -> None:
         try:
@@ -277,27 +279,16 @@ class Runtime:
         raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}") from None
 
     def _restart_group(self, group: str) -> None:
+        """Replace a group's workers (one died), rebind their roles and rebuild their engines."""
         old = self.workers[group]
         for w in old:
             self.backend.kill(w)
-        if group == COMPUTE:
-            self.workers[group] = self._compute_pool()
-        else:
-            mesh = self.pipe.plan.meshes[group]
-            world = mesh.component.world_size
-            self.workers[group] = [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
-        swap = {id(o): n for o, n in zip(old, self.workers[group])}
-        per_worker: dict[int, tuple] = {}
-        for node_id, pairs in self.roles.items():
-            self.roles[node_id] = [(swap.get(id(w), w), role) for w, role in pairs]
-            for w, role in self.roles[node_id]:
-                if id(w) in {id(n) for n in self.workers[group]}:
-                    per_worker.setdefault(id(w), (w, []))[1].append(role)
-        if group != COMPUTE and any(self.pipe.nodes[n].mesh for n in self.roles):
-            workers = self.workers[group]
-            addr, port = self.backend.get(self.backend.call(workers[0], "address"))
-            self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
-        self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+        new = self.workers[group] = self._create_group(group)
+        swap = {id(o): n for o, n in zip(old, new)}
+        self.roles = {node: [(swap.get(id(w), w), role) for w, role in pairs] for node, pairs in self.roles.items()}
+        if group != COMPUTE:
+            self._init_group(new)
+        self._add_roles(new)
 
     def sync_weights(self) -> dict:
         """Bring every `weights_from` consumer up to its trainer's latest version (after a step)."""

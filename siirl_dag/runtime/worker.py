@@ -86,18 +86,12 @@ class RankWorker:
             if role.engine_key and role.engine_key not in self.engines:
                 try:
                     cls = import_ref(role.strategy_ref)
-                    self.engines[role.engine_key] = cls(role.rank_ctx, role.model, self._engine_options(role.engine_key))
+                    # nodes sharing an engine carry one merged set of options (config.loader)
+                    self.engines[role.engine_key] = cls(role.rank_ctx, role.model, dict(role.node.options))
                 except Exception:  # noqa: BLE001 - say which engine on which rank, with the traceback
                     raise NodeError(f"{role.node.id} (building engine {role.engine_key})", self.rank,
                                     socket.gethostname(), traceback.format_exc()) from None
         return sorted(self.engines)
-
-    def _engine_options(self, key: str) -> dict:
-        options: dict = {}
-        for role in self.roles.values():
-            if role.engine_key == key:
-                options.update(role.node.options)
-        return options
 
     # -- work -----------------------------------------------------------------------------------
     def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int, min_weights_version: int = 0):
@@ -153,9 +147,6 @@ class RankWorker:
     def call_engine(self, engine_key: str, method: str, *args, **kwargs):
         """Direct engine calls the driver makes outside nodes (weight sync, checkpoints)."""
         return getattr(self.engines[engine_key], method)(*args, **kwargs)
-
-    def host(self) -> str:
-        return socket.gethostname()
 
     def pid(self) -> int:
         return os.getpid()

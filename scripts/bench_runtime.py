@@ -26,10 +26,20 @@ from siirl_dag.registry import STRATEGIES, node_kind  # noqa: E402
 from siirl_dag.strategies.base import Strategy  # noqa: E402
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "response_mask")
+VOCAB = 151_936  # Qwen's: token ids travel as int32, as they would in a real run
 
 
 class NoopEngine(Strategy):
     """No model: the benchmark measures the runtime, not a strategy."""
+
+
+def _tokens(rows: int, tokens: int, made: dict = {}) -> dict:  # noqa: B006 - the per-process cache
+    """Made once per process: the nodes stand for no work at all."""
+    if (rows, tokens) not in made:
+        made[rows, tokens] = {"input_ids": torch.randint(0, VOCAB, (rows, tokens)),
+                              "attention_mask": torch.ones(rows, tokens, dtype=torch.long),
+                              "response_mask": torch.ones(rows, tokens // 2, dtype=torch.long)}
+    return made[rows, tokens]
 
 
 @node_kind("bench_gen", consumes=("raw_prompt",), produces=TOKEN_KEYS, strategies=("megatron",))
@@ -37,9 +47,7 @@ def bench_gen(batch, ctx):
     n, tokens = ctx.params["n"], ctx.params["tokens"]
     index = torch.arange(batch.num_rows).repeat_interleave(n)
     rows = len(index)
-    return ctx.expand(index, {"input_ids": torch.zeros(rows, tokens, dtype=torch.long),
-                              "attention_mask": torch.ones(rows, tokens, dtype=torch.long),
-                              "response_mask": torch.ones(rows, tokens // 2, dtype=torch.long)})
+    return ctx.expand(index, _tokens(rows, tokens))
 
 
 @node_kind("bench_fwd", consumes=TOKEN_KEYS, produces=lambda p: (p["out"],), strategies=("megatron",))

@@ -48,9 +48,6 @@ class LocalBackend:
             raise done.error
         return done.value
 
-    def put(self, value):
-        return value
-
     def fetch(self, ref):
         return ref
 
@@ -130,15 +127,11 @@ class RayBackend:
 
         return ray.get(ref, timeout=timeout)
 
-    def put(self, value):
-        import ray
-
-        return ray.put(value)
-
     def fetch(self, ref):
+        """A shard's data: an object-store reference, or a value that travels inline (the prompts)."""
         import ray
 
-        return ray.get(ref)
+        return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
     def wait(self, pending: list) -> list:
         import ray

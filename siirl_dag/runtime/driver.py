@@ -170,7 +170,8 @@ class Runtime:
         """Run the DAG (or the sub-graph `nodes`) on one batch of prompts."""
         wanted = [n for n in self.order if nodes is None or n in set(nodes)]
         result = StepResult()
-        result.outputs[SOURCE] = NodeOutput([Shard(self.backend.put(source.to_wire()), 0, source.num_rows)],
+        # the prompts are small: they travel inside the tasks that read them, not through the object store
+        result.outputs[SOURCE] = NodeOutput([Shard(source.to_wire(), 0, source.num_rows)],
                                             set(source), source.num_rows, row_tokens(source))
         pending, running, busy = list(wanted), {}, set()
         while pending or running:
@@ -230,9 +231,13 @@ class Runtime:
         calls, ranks = [], []
         for worker, role in roles:
             lo, hi = ranges[role.dp_rank]
-            inputs = [(keys, pieces(outputs[u].shards, lo, hi)) for u, keys in owners.items()]
+            refs, inputs = [], []  # the shards go as top-level arguments; inputs index into them
+            for u, keys in owners.items():
+                parts = pieces(outputs[u].shards, lo, hi)
+                inputs.append((keys, [(len(refs) + i, a, b) for i, (_, a, b) in enumerate(parts)]))
+                refs += [ref for ref, _, _ in parts]
             calls.append(self.backend.call(worker, "run", node_id, inputs, step, validating,
-                                           (seed_base + role.dp_rank) % (2**31), min_version, num_returns=2))
+                                           (seed_base + role.dp_rank) % (2**31), min_version, *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
         return _Running(node_id, calls, ranks, time.perf_counter(), remaining)

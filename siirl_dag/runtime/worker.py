@@ -94,12 +94,14 @@ class RankWorker:
         return sorted(self.engines)
 
     # -- work -----------------------------------------------------------------------------------
-    def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int, min_weights_version: int = 0):
-        """Assemble this rank's input from shard pieces, run the node, return (wire, info)."""
+    def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int, min_weights_version: int,
+            *shards):
+        """Assemble this rank's input from shard pieces, run the node, return (wire, info). The shards
+        come as top-level arguments, so Ray fetches them before the call (and no reference is borrowed)."""
         role = self.roles[node_id]
         try:
             self._activate(role.engine_key)
-            batch = _assemble(inputs)
+            batch = _assemble(inputs, shards)
             ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
                               tokenizer_path=role.tokenizer_path, step=step, validating=validating, rank=self.rank,
                               dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed,
@@ -157,11 +159,11 @@ class RankWorker:
         self.engines.clear()
 
 
-def _assemble(inputs: list) -> Batch:
-    """inputs: [(keys, [(wire_or_ref, lo, hi), ...]), ...] -> one Batch with all keys."""
+def _assemble(inputs: list, shards: tuple) -> Batch:
+    """inputs: [(keys, [(shard index, lo, hi), ...]), ...] -> one Batch with all keys."""
     batch = None
     for keys, pieces in inputs:
-        parts = [Batch.from_wire(_resolve(ref), keys, lo, hi) for ref, lo, hi in pieces]
+        parts = [Batch.from_wire(shards[i], keys, lo, hi) for i, lo, hi in pieces]
         part = Batch.concat(parts) if parts else Batch()
         batch = part if batch is None else batch.merge(part)
     return batch if batch is not None else Batch()

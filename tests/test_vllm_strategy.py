@@ -226,10 +226,13 @@ def _rank_main(rank, world, sizes, model_dir, update_path):
     return before, after
 
 
-def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("dp", [1, 2], ids=["d1t2", "d2t2"])
+def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp):
+    """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch."""
     perturbed = perturb(checkpoint(tiny_model_dir), seed=1)
     save_file(perturbed, tmp_path / "update.safetensors")
-    outs = run_ranks(_rank_main, 2, {"dp": 1, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"), timeout=300)
+    outs = run_ranks(_rank_main, 2 * dp, {"dp": dp, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"),
+                     timeout=400)
     reference = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
     ref_after = hf_model(tiny_model_dir, perturbed)
     for before, after in outs:  # both ranks of the one engine return the same batch

@@ -1,7 +1,7 @@
 """Weight sync trainer -> rollout on a model big enough to matter, against a memcpy of the same bytes.
 
     python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--bucket-mb 32]
-        [--train d1] [--transport object_store|collective] [--repeats 4]
+        [--train d1] [--transport object_store|collective] [--repeats 4] [--plain-weights]
 
 Builds a random Qwen2-style model (fp32), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
 twice, with the rollout colocated on the trainer's rank and on a mesh of its own, and syncs the
@@ -38,7 +38,7 @@ meshes:
   gen: {gen}
 nodes:
   - {{id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: actor_update,
-     options: {{dtype: float32, kv_cache_gb: 0.1, max_model_len: 64, enforce_eager: true}}}}
+     options: {{dtype: float32, kv_cache_gb: 0.1, max_model_len: 64, enforce_eager: true, cpu_packed_weights: {packed}}}}}
   - {{id: reward, kind: reward, deps: [rollout]}}
   - {{id: advantage, kind: advantage, deps: [reward]}}
   - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
@@ -76,7 +76,7 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     gen = '{alloc: "vllm:d%d", colocate_with: train}' % world if layout == "colocated" else '"vllm:d1"'
     f = tmp / f"{layout}.yaml"
     f.write_text(PIPELINE.format(devices=world + (layout == "separate"), model=model, train=args.train, gen=gen,
-                                 bucket_mb=args.bucket_mb))
+                                 bucket_mb=args.bucket_mb, packed=str(not args.plain_weights).lower()))
     runs = []
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         sync = WeightSync(rt)
@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
     ap.add_argument("--layouts", default="colocated,separate")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--plain-weights", action="store_true",
+                    help="vLLM option cpu_packed_weights: false (updates copy into place; slower decoding)")
     args = ap.parse_args()
     from make_tiny_model import make_tiny_model
 
@@ -116,12 +118,12 @@ def main() -> None:
         results = [run_layout(model, layout, args, Path(tmp)) for layout in args.layouts.split(",")]
     params = results[0]["bytes"] // 4  # fp32
     report = {"model": {"hidden": args.hidden, "layers": args.layers, "params": params}, "bucket_mb": args.bucket_mb,
-              "results": results}
+              "cpu_packed_weights": not args.plain_weights, "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M params (fp32); "
-          f"buckets of {args.bucket_mb} MB")
+          f"buckets of {args.bucket_mb} MB; vLLM weights {'plain' if args.plain_weights else 'packed'} on CPU")
     for r in results:
         stages = ", ".join(f"{k} {1000 * v:.0f}" for k, v in r["stages_s"].items())
         how = f"train {r['train']}" + (f", {r['transport']}, {r['buckets']} buckets" if r["transport"] else "")

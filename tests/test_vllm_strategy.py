@@ -214,11 +214,11 @@ def test_offload_onload_keep_the_engine_usable(vllm_engine):
 
 # --- in fresh processes: tensor parallel over two gloo ranks, and an MoE model ---------------------
 
-def _rank_main(rank, world, sizes, model_dir, update_path):
+def _rank_main(rank, world, sizes, model_dir, update_path, options):
     """One rank (gloo group made by dist_utils): greedy rollout, weight update from a file, greedy again."""
     from conftest import VLLM_TEST_OPTIONS
 
-    engine = VllmRollout(RankContext(rank, world, sizes=sizes), model_dir, dict(VLLM_TEST_OPTIONS))
+    engine = VllmRollout(RankContext(rank, world, sizes=sizes), model_dir, {**VLLM_TEST_OPTIONS, **options})
     before = engine.generate(PROMPTS, {"greedy": True}, P, R)
     engine.load_weights(load_file(update_path).items(), version=1)
     after = engine.generate(PROMPTS, {"greedy": True}, P, R)
@@ -226,13 +226,14 @@ def _rank_main(rank, world, sizes, model_dir, update_path):
     return before, after
 
 
-@pytest.mark.parametrize("dp", [1, 2], ids=["d1t2", "d2t2"])
-def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp):
+# d1t2 keeps CPU weights plain (updates copy into place), d2t2 packs them (updates repack)
+@pytest.mark.parametrize("dp, packed", [(1, False), (2, True)], ids=["d1t2-plain", "d2t2-packed"])
+def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp, packed):
     """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch."""
     perturbed = perturb(checkpoint(tiny_model_dir), seed=1)
     save_file(perturbed, tmp_path / "update.safetensors")
     outs = run_ranks(_rank_main, 2 * dp, {"dp": dp, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"),
-                     timeout=400)
+                     {"cpu_packed_weights": packed}, timeout=400)
     reference = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
     ref_after = hf_model(tiny_model_dir, perturbed)
     for before, after in outs:  # both ranks of the one engine return the same batch
@@ -243,13 +244,15 @@ def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny
                                    atol=1e-4, rtol=0)
 
 
-def test_moe_model_with_untied_head_takes_weight_updates(tmp_path):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+def test_moe_model_with_untied_head_takes_weight_updates(tmp_path, packed):
     from make_tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, tie_word_embeddings=False)
     perturbed = perturb(checkpoint(model_dir), seed=2)
     save_file(perturbed, tmp_path / "update.safetensors")
-    [(before, after)] = run_ranks(_rank_main, 1, {"dp": 1, "tp": 1}, model_dir, str(tmp_path / "update.safetensors"), timeout=300)
+    [(before, after)] = run_ranks(_rank_main, 1, {"dp": 1, "tp": 1}, model_dir, str(tmp_path / "update.safetensors"),
+                                  {"cpu_packed_weights": packed}, timeout=300)
     for batch, model in ((before, hf_model(model_dir)), (after, hf_model(model_dir, perturbed))):
         mask = batch["response_mask"].bool()
         torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(model, batch)[mask], atol=1e-4, rtol=0)

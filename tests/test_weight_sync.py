@@ -110,7 +110,13 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         assert metrics["sync/bytes"] > 0 and metrics["sync/load_s"] > 0
         rt.synced["rollout"] = 1
         colocated = rt.sync_weights()  # only the colocated rollout is behind now
-        assert colocated["sync/handoff_s"] > 0 and colocated["sync/bytes"] == metrics["sync/bytes"]
+        # two consumers: each one's metrics under its own name
+        assert colocated["sync/colo_rollout/handoff_s"] > 0 and colocated["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
+        assert not any(k.startswith("sync/rollout/") for k in colocated)
+        rt.synced = {"rollout": 0, "colo_rollout": 0}
+        both = rt.sync_weights()
+        assert both["sync/rollout/bytes"] == both["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
+        assert both["timing_s/sync_weights"] >= both["sync/colo_rollout/handoff_s"] + both["sync/rollout/load_s"]
         assert rt.synced == {"rollout": 1, "colo_rollout": 1}
 
         assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))

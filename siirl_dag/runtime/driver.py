@@ -296,7 +296,10 @@ class Runtime:
         self._add_roles(new)
 
     def sync_weights(self) -> dict:
-        """Bring every `weights_from` consumer up to its trainer's latest version (after a step)."""
+        """Bring every `weights_from` consumer up to its trainer's latest version (after a step).
+
+        Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
+        `timing_s/sync_weights` is the time of all syncs together."""
         from siirl_dag.weight_sync import WeightSync
 
         self.weight_sync = getattr(self, "weight_sync", None) or WeightSync(self)
@@ -304,7 +307,11 @@ class Runtime:
         for dst, have in self.synced.items():
             src = self.pipe.nodes[dst].weights_from
             if have < self.versions[src]:
-                metrics.update(self.weight_sync(src, dst, self.versions[src]))
+                stats = self.weight_sync(src, dst, self.versions[src])
+                total = stats.pop("timing_s/sync_weights")
+                metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + total
+                prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
+                metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
                 self.synced[dst] = self.versions[src]
         return metrics
 

@@ -38,7 +38,7 @@ class RankSync:
 
     # -- trainer ranks --------------------------------------------------------------------------
     def export(self, engine_key: str, bucket_bytes: int, keep: bool, group: str | None = None) -> dict:
-        buckets = Buckets(self.engines[engine_key].export_hf_weights(), bucket_bytes)
+        buckets = Buckets(self.engines[engine_key].export_hf_weights(copy=False), bucket_bytes)
         if not keep:
             return buckets.drain()
         self._export, self._pending, self._put_s = (buckets, self.groups[group] if group else None), None, 0.0
@@ -102,6 +102,7 @@ def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
             yield name, t
 
     with torch.no_grad():  # the engine's loader runs in this thread's grad mode otherwise
-        dst_engine.load_weights(counted(timed(src_engine.export_hf_weights(), stats, "sync/gather_s")), version)
+        dst_engine.load_weights(counted(timed(src_engine.export_hf_weights(copy=False), stats, "sync/gather_s")),
+                                version)
     total = time.perf_counter() - t0
     return {**stats, "sync/handoff_s": total, "sync/load_s": total - stats["sync/gather_s"]}

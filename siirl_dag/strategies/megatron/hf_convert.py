@@ -162,19 +162,19 @@ def to_mcore(kind: str, hf: list[torch.Tensor], spec: HFSpec, rank: int, size: i
 
 
 def to_hf(kind: str, shards: list[torch.Tensor], spec: HFSpec) -> list[torch.Tensor]:
-    """All TP shards of one megatron parameter -> the HF tensors (inverse of `to_mcore`), never
-    aliasing a shard (exported tensors must not change with the live parameters)."""
+    """All TP shards of one megatron parameter -> the HF tensors (inverse of `to_mcore`). Where the
+    layouts already agree (one shard, say) the result views the shard rather than copying it."""
     if kind == "copy":
-        return [shards[0].clone()]
+        return [shards[0]]
     if kind == "vocab":
-        return [torch.cat(shards)[: spec.vocab_size]]
+        return [_cat(shards)[: spec.vocab_size]]
     if kind == "col":
-        return [torch.cat(shards)]
+        return [_cat(shards)]
     if kind == "row":
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if kind == "qkv":
         g, hd = spec.num_kv_heads, spec.head_dim
-        full = torch.cat(shards)
+        full = _cat(shards)
         tail = full.shape[1:]
         grouped = full.reshape(g, -1, *tail)
         q_rows = grouped.shape[1] - 2 * hd
@@ -182,8 +182,12 @@ def to_hf(kind: str, shards: list[torch.Tensor], spec: HFSpec) -> list[torch.Ten
         return [t.reshape(-1, *tail) for t in (q, k, v)]
     if kind == "gate_up":
         halves = [s.chunk(2) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        return [_cat([h[0] for h in halves]), _cat([h[1] for h in halves])]
     raise ValueError(kind)
+
+
+def _cat(shards: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
 
 
 def _open_shards(path: str):
@@ -243,8 +247,9 @@ def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
     return out
 
 
-def _unit_tensors(bounds: list[Bound], spec: HFSpec) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered."""
+def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered. Without `copy`
+    they may view the live parameters."""
     ps = _ps()
     ep_size, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
     dense, experts = [], {}
@@ -252,8 +257,11 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec) -> list[tuple[str, torch.Te
         if b.rule.mcore == "output_layer.weight" and spec.tied:
             continue
         rank, size, group = _tp(b)
-        shards = _all_gather(b.param.detach(), size if b.rule.kind != "copy" else 1, group)
+        param = b.param.detach()
+        shards = _all_gather(param, size if b.rule.kind != "copy" else 1, group)
         hf = [t.contiguous() for t in to_hf(b.rule.kind, shards, spec)]
+        if copy:
+            hf = [t.clone() if t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() else t for t in hf]
         if b.expert is None:
             dense += zip(b.hf_names(), hf)
         else:
@@ -273,8 +281,11 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec) -> list[tuple[str, torch.Te
 
 
 @torch.no_grad()
-def export_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit.
+
+    copy=False skips the copy of tensors whose layout needs no conversion: they then view the live
+    parameters, for a consumer that is done with each one before the next optimizer step (weight sync).
 
     Collective: every rank of the model-parallel group must iterate it to the end. Per unit, the
     owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group.
@@ -292,7 +303,7 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> Iterator[tuple[str
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
     for unit in sorted(owners):
         mine = unit in units
-        tensors = _unit_tensors(units[unit], spec) if mine else []
+        tensors = _unit_tensors(units[unit], spec, copy) if mine else []
         if pp_size > 1:
             src = pp_ranks[owners[unit]]
             meta = [[(n, t.shape, t.dtype) for n, t in tensors]]

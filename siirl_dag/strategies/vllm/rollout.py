@@ -119,6 +119,7 @@ class VllmRollout(Strategy):
                                "(torch.distributed is not initialized in this process)")
         if cpu_compat.active():
             kwargs.update(cpu_compat.engine_kwargs(opts))
+            cpu_compat.pack_linear_weights(opts["cpu_packed_weights"])
         start = time.perf_counter()
         first = self.ctx.rank // self.tp * self.tp
         with host_rng_kept(), cpu_compat.keep_torch_threads(), cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm):

@@ -19,6 +19,6 @@ class WeightSyncExtension:
     def siirl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors in place (the model's own loader fuses qkv / gate_up and shards)."""
         if cpu_compat.active():
-            cpu_compat.reload_weights(self, weights)
+            cpu_compat.load_weights(self, weights)
         else:
             self.model_runner.get_model().load_weights(weights)

@@ -65,6 +65,12 @@ def t_flaky(batch, ctx):
     return {"z": batch["x"] + 1}
 
 
+@node_kind("t_update", consumes=("x",), produces=(), strategies=("megatron",), trains=True)
+def t_update(batch, ctx):
+    """Stands in for an actor update: the driver counts its weight versions."""
+    return {}
+
+
 @node_kind("t_liar", consumes=("x",), produces=("z",))
 def t_liar(batch, ctx):
     return {"w": batch["x"]}

@@ -158,6 +158,20 @@ def test_retry_restarts_a_dead_actor(tmp_path, retries):
                 rt.run_step(prompts(3), step=0)
 
 
+def test_a_dead_trainer_is_not_restarted_from_the_initial_weights(tmp_path):
+    """After an update the trainer's state lives only in its process: a restart must not hide its loss."""
+    pipe = pipeline(tmp_path, f"""
+        meshes: {{a: "megatron:d1", b: "megatron:d1"}}
+        nodes:
+          - {{id: gen, kind: t_expand, mesh: a, model: m}}
+          - {{id: update, kind: t_update, deps: [gen], mesh: b, model: m}}
+          - {{id: flaky, kind: t_flaky, deps: [update], mesh: b, model: m, retry_limit: 1,
+              params: {{marker: "{tmp_path / 'marker'}"}}}}
+        """)
+    with Runtime(pipe) as rt, pytest.raises(PipelineError, match=r"training state of 'update' \(1 update\).*resume_mode=auto"):
+        rt.run_step(prompts(3), step=0)
+
+
 def test_local_and_ray_give_identical_results(tmp_path):
     body = """
         meshes: {a: "megatron:d1", b: "megatron:d1"}

@@ -275,7 +275,7 @@ class Runtime:
         if tries < node.retry_limit:
             self.attempts[run.node] = tries + 1
             if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
-                self._restart_group(self._group_of(run.node))
+                self._restart_group(self._group_of(run.node), step)
             running[run.node] = self._dispatch(run.node, result, step, validating)
             return
         if isinstance(cause, NodeError):
@@ -283,8 +283,18 @@ class Runtime:
                                 f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
         raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}") from None
 
-    def _restart_group(self, group: str) -> None:
-        """Replace a group's workers (one died), rebind their roles and rebuild their engines."""
+    def _restart_group(self, group: str, step: int) -> None:
+        """Replace a group's workers (one died), rebind their roles and rebuild their engines.
+
+        Rebuilt engines load the model from disk. A rollout engine is then brought back to its
+        trainer's weights; a trainer that had already updated its weights cannot be brought back
+        (its optimizer state died with it), so that is an error naming the way to resume."""
+        lost = {n: v for n, v in self.versions.items() if v and self._group_of(n) == group}
+        if lost:
+            names = ", ".join(f"'{n}' ({v} update{'s' if v > 1 else ''})" for n, v in lost.items())
+            raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
+                                f"{names}; restarting it would silently start from the initial weights. Resume "
+                                "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
         old = self.workers[group]
         for w in old:
             self.backend.kill(w)
@@ -294,6 +304,11 @@ class Runtime:
         if group != COMPUTE:
             self._init_group(new)
         self._add_roles(new)
+        behind = [dst for dst in self.synced if self._group_of(dst) == group]
+        for dst in behind:
+            self.synced[dst] = 0
+        if behind:
+            self.sync_weights()
 
     def sync_weights(self) -> dict:
         """Bring every `weights_from` consumer up to its trainer's latest version (after a step).

@@ -53,6 +53,13 @@ OPTION_CHECKS: dict[str, str] = {
     "megatron": "siirl_dag.strategies.megatron.options:resolve",
 }
 
+# How a strategy takes its model's `dtype` when the node's options do not say otherwise:
+# name -> "module:function(dtype, written_options) -> options", raising ValueError for a dtype it cannot run.
+DTYPE_OPTIONS: dict[str, str] = {
+    "vllm": "siirl_dag.strategies.vllm.options:dtype_options",
+    "megatron": "siirl_dag.strategies.megatron.options:dtype_options",
+}
+
 
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None):

@@ -305,3 +305,25 @@ def test_run_refuses_bad_input_before_starting_anything(tmp_path, tiny_model_dir
     (bad_ckpt / "trainer_state.json").write_text("{not json")
     res = run_cli(str(write(tmp_path, text)), "trainer.resume_mode=resume_path", f"trainer.resume_from_path={bad_ckpt}")
     assert res.returncode == 2 and "trainer_state.json is unreadable" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("dtype, vllm_dtype, bf16", [("float32", "float32", False), ("bfloat16", "bfloat16", True)])
+def test_the_model_dtype_sets_each_engine_precision(tmp_path, dtype, vllm_dtype, bf16):
+    pipe = load_pipeline(write(tmp_path, BASE), [f"models.policy.dtype={dtype}"])
+    assert pipe.nodes["rollout"].options["dtype"] == vllm_dtype
+    assert pipe.nodes["old_logprob"].options["bf16"] is bf16 and pipe.nodes["actor_update"].options["bf16"] is bf16
+
+
+def test_a_written_precision_option_wins_over_the_model_dtype(tmp_path):
+    text = BASE.replace("options: {n: 4}", "options: {n: 4, dtype: bfloat16}").replace(
+        "params: {mini_batch_size: 4}", "params: {mini_batch_size: 4}\n    options: {bf16: true}")
+    pipe = load_pipeline(write(tmp_path, text))
+    assert pipe.nodes["rollout"].options["dtype"] == "bfloat16"
+    assert pipe.nodes["actor_update"].options["bf16"] is True and pipe.nodes["old_logprob"].options["bf16"] is True
+
+
+def test_a_dtype_megatron_cannot_train_is_refused_at_the_model(tmp_path):
+    found = problems(tmp_path, BASE.replace("dtype: float32", "dtype: float16"))
+    assert found and all(p.path == ("models", "policy", "dtype") for p in found)
+    assert "trains in bfloat16 or float32, not float16" in found[0].message
+    assert line_of(BASE, "dtype: float32") == found[0].line

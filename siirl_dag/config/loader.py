@@ -17,7 +17,7 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
-from siirl_dag.registry import OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
+from siirl_dag.registry import DTYPE_OPTIONS, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
 
 
 def _errors(problems: list[Problem]) -> list[Problem]:
@@ -88,6 +88,7 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
             options_schema = f"strategies/{strategy}.schema.json"
             if schema.schema_exists(options_schema):
                 found = schema.validate(raw["options"], options_schema, base + ("options",))
+                found = found or _model_dtype(strategy, raw, doc["models"])
                 problems += found or _option_rules(strategy, raw["options"], base)
         for key, pool in (("mesh", meshes), ("model", doc["models"])):
             if key not in raw:
@@ -107,6 +108,19 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
         problems.append(Problem(base, f"'consumes'/'produces' are declared by kind '{kind.name}' itself; "
                                       "they may only be given for module:function kinds"))
     return kind
+
+
+def _model_dtype(strategy: str, raw: dict, models: dict) -> list[Problem]:
+    """The model's dtype sets the engine's precision options the node did not write itself."""
+    model = models.get(raw.get("model"))
+    if strategy not in DTYPE_OPTIONS or not isinstance(model, dict):
+        return []
+    written = {k: raw["options"][k] for k in raw["__explicit__"]}
+    try:
+        raw["options"].update(import_ref(DTYPE_OPTIONS[strategy])(model["dtype"], written))
+    except ValueError as exc:
+        return [Problem(("models", raw["model"], "dtype"), f"node '{raw['id']}': {exc}")]
+    return []
 
 
 def _option_rules(strategy: str, options: dict, base: tuple) -> list[Problem]:

@@ -21,6 +21,16 @@ def schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text())
 
 
+def dtype_options(dtype: str, written: dict[str, Any]) -> dict[str, Any]:
+    """bf16 training for a bfloat16 model, fp32 for a float32 one, unless the node sets `bf16`."""
+    if "bf16" in written:
+        return {}
+    if dtype == "float16":
+        raise ValueError("the megatron strategy trains in bfloat16 or float32, not float16; expected dtype "
+                         "bfloat16 or float32, or the option bf16 on the node")
+    return {"bf16": dtype == "bfloat16"}
+
+
 def resolve(options: dict[str, Any] | None) -> dict[str, Any]:
     """Options with defaults filled in; ConfigError listing every violation."""
     import jsonschema

@@ -36,6 +36,11 @@ def resolve_options(options: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **options}
 
 
+def dtype_options(dtype: str, written: dict[str, Any]) -> dict[str, Any]:
+    """The engine computes in the model's dtype unless the node sets its own `dtype`."""
+    return {} if "dtype" in written else {"dtype": dtype}
+
+
 def sampling_kwargs(options: dict[str, Any], overrides: dict[str, Any], max_response_length: int) -> dict[str, Any]:
     """Keyword arguments of vLLM's SamplingParams: the options' sampling defaults, then the call's.
 

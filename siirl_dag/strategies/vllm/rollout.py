@@ -119,10 +119,11 @@ class VllmRollout(Strategy):
                                "(torch.distributed is not initialized in this process)")
         if cpu_compat.active():
             kwargs.update(cpu_compat.engine_kwargs(opts))
-            cpu_compat.pack_linear_weights(opts["cpu_packed_weights"])
         start = time.perf_counter()
         first = self.ctx.rank // self.tp * self.tp
-        with host_rng_kept(), cpu_compat.keep_torch_threads(), cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm):
+        shm_files = cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm)
+        packing = cpu_compat.linear_packing(opts["cpu_packed_weights"]) if cpu_compat.active() else contextlib.nullcontext()
+        with host_rng_kept(), cpu_compat.keep_torch_threads(), shm_files, packing:
             llm = LLM(**kwargs)
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm

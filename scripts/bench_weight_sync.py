@@ -8,8 +8,9 @@ twice, with the rollout colocated on the trainer's rank and on a mesh of its own
 weights `--repeats` times (the first is a warm-up). Prints, per layout, the median (and best) sync time, the
 bytes moved, the ratio to a single-threaded memcpy of those bytes in this process (target <= 3x),
 and the per-stage breakdown: export (the trainer's gather of its shards + HF conversion, one walk in
-hf_convert), put / fetch (object store), load (vLLM taking the tensors, incl. its CPU re-processing),
-and wait (rollout idle for lack of a bucket; export and load overlap bucket by bucket).
+hf_convert), send (the trainer handing buckets over: the object-store write or the broadcast, and
+any wait for a slower consumer), load (vLLM taking the tensors, incl. its CPU repacking), and wait
+(rollout idle for lack of a bucket; export and load overlap bucket by bucket).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ nodes:
      params: {{mini_batch_size: 4}}}}
 runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}}}
 """
-STAGES = ("sync/gather_s", "sync/put_s", "sync/fetch_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
+STAGES = ("sync/gather_s", "sync/send_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
 
 
 def memcpy_s(nbytes: int, repeats: int = 5) -> float:

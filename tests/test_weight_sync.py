@@ -165,11 +165,11 @@ def test_streaming_load_takes_buckets_one_at_a_time_and_stamps_the_version_at_th
     engine = RecordingEngine()
     load = StreamingLoad(engine, 3, loader_thread())
     load.push([("a", None), ("b", None)])
-    load.push(lambda: iter([("c", None)]))  # fetched in the loading thread
+    load.push(iter([("c", None)]))  # a lazy bucket (object-store views) is read in the loading thread
     assert engine.version == 0, "the version is stamped only when every bucket has been loaded"
     stats = load.close()
     assert engine.loaded == ["a", "b", "c"] and engine.version == 3
-    assert {"sync/load_s", "sync/wait_s", "sync/fetch_s"} <= set(stats)
+    assert {"sync/load_s", "sync/wait_s"} <= set(stats)
 
 
 def test_streaming_load_holds_one_bucket_in_waiting():
@@ -209,3 +209,47 @@ def test_aborted_stream_leaves_the_version_alone():
     load.push([("a", None)])
     load.abort()
     assert engine.version == 0 and engine.loaded == ["a"]
+
+
+# --- the driver's stream protocol, in process, with recording engines ---------------------------
+
+class ExportingEngine:
+    """A trainer engine whose export records how far it was walked."""
+
+    def __init__(self, n: int):
+        self.n, self.walked = n, 0
+
+    def export_hf_weights(self, copy: bool = True):
+        for i in range(self.n):
+            self.walked += 1
+            yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each
+
+
+def stream_sync(trainer_engine, rollout_engine):
+    from types import SimpleNamespace
+
+    from siirl_dag.runtime.backends import LocalBackend
+    from siirl_dag.runtime.worker import RankWorker
+
+    trainer, rollout = RankWorker("train", 0, 1), RankWorker("gen", 0, 1)
+    trainer.engines["t"], rollout.engines["r"] = trainer_engine, rollout_engine
+    rt = SimpleNamespace(backend=LocalBackend(None), roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
+                                                            "rollout": [(rollout, SimpleNamespace(engine_key="r"))]},
+                         pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024),
+                                              cluster=SimpleNamespace(device="cpu")))
+    return WeightSync(rt)("update", "rollout", 7)
+
+
+def test_stream_delivers_every_bucket_in_order_and_stamps_the_version():
+    engine = RecordingEngine()
+    metrics = stream_sync(ExportingEngine(6), engine)
+    assert engine.loaded == [f"w{i}" for i in range(6)] and engine.version == 7
+    assert metrics["sync/buckets"] == 3 and metrics["sync/bytes"] == 6 * 1024 and "sync/send_s" in metrics
+
+
+def test_a_failed_load_drains_the_trainers_export_and_keeps_the_old_version():
+    engine, trainer = RecordingEngine(fail_at="w3"), ExportingEngine(40)
+    with pytest.raises((KeyError, RuntimeError), match="no parameter w3"):  # at a push, or at the close
+        stream_sync(trainer, engine)
+    assert engine.version == 0 and engine.loaded == ["w0", "w1", "w2"]
+    assert trainer.walked == 40, "the trainer's export (collective on its ranks) is walked to its end"

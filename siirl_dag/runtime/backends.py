@@ -41,6 +41,10 @@ class LocalBackend:
             return [_Done(error=exc)] * num_returns if num_returns > 1 else _Done(error=exc)
         return [_Done(v) for v in value] if num_returns > 1 else _Done(value)
 
+    def stream(self, worker, method: str, *args, ahead: int = 1):
+        """The values a generator method yields, as it yields them."""
+        return getattr(worker, method)(*args)
+
     def get(self, done, timeout: float | None = None):
         if isinstance(done, list):
             return [self.get(d) for d in done]
@@ -128,6 +132,12 @@ class RayBackend:
 
     def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
         return getattr(worker, method).options(num_returns=num_returns).remote(*args, **kwargs)
+
+    def stream(self, worker, method: str, *args, ahead: int = 1):
+        """References to the values a generator method yields, each as soon as it is yielded; the
+        method pauses while `ahead` of them are not yet taken (a Ray streaming generator)."""
+        return getattr(worker, method).options(num_returns="streaming",
+                                               _generator_backpressure_num_objects=ahead).remote(*args)
 
     def get(self, ref, timeout: float | None = None):
         import ray

@@ -125,15 +125,22 @@ class RankWorker:
 
     # -- weight sync (siirl_dag.weight_sync holds the logic) -----------------------------------
     def weight_sync(self, op: str, *args):
-        """One step of a sync between separate meshes (export/next on the trainer's ranks,
+        """One step of a sync between separate meshes (export/stats on the trainer's ranks,
         open/push/close on the rollout's, join for a process group): see weight_sync.rank."""
+        if op == "open":
+            self._activate(args[0])
+        return getattr(self._rank_sync(), op)(*args)
+
+    def weight_stream(self, engine_key: str, bucket_bytes: int, group: str | None = None):
+        """The trainer's rank 0: its export as a stream of bucket payloads (see weight_sync.rank)."""
+        yield from self._rank_sync().stream(engine_key, bucket_bytes, group)
+
+    def _rank_sync(self):
         from siirl_dag import weight_sync
 
         if self._weight_sync is None:
-            self._weight_sync = weight_sync.RankSync(self.engines, put=_put, fetch=resolve)
-        if op == "open":
-            self._activate(args[0])
-        return getattr(self._weight_sync, op)(*args)
+            self._weight_sync = weight_sync.RankSync(self.engines)
+        return self._weight_sync
 
     def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
         """Colocated: wake the rollout engine, load from the trainer in memory, then free the trainer."""
@@ -174,13 +181,6 @@ def resolve(ref):
     import ray
 
     return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
-
-
-def _put(value):
-    """Into the object store when running under Ray; as is in-process."""
-    import ray
-
-    return ray.put(value) if ray.is_initialized() else value
 
 
 def _checked(role: RoleSpec, batch: Batch, out) -> Batch:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -27,7 +27,7 @@ def loader_thread() -> ThreadPoolExecutor:
 
 class StreamingLoad:
     def __init__(self, engine: Any, version: int, thread: ThreadPoolExecutor):
-        self.stats = {"sync/wait_s": 0.0, "sync/fetch_s": 0.0}
+        self.stats = {"sync/wait_s": 0.0}
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._done: Future = thread.submit(self._run, engine, version)
 
@@ -40,7 +40,7 @@ class StreamingLoad:
                 return
             if part is _ABORT:  # fail the load, so the engine keeps its old version stamp
                 raise RuntimeError("the weight stream was aborted")
-            yield from part() if callable(part) else part
+            yield from part
 
     def _run(self, engine: Any, version: int) -> None:
         t0 = time.perf_counter()
@@ -49,11 +49,10 @@ class StreamingLoad:
                 engine.load_weights(self._tensors(), version)
         finally:
             s = self.stats
-            s["sync/load_s"] = time.perf_counter() - t0 - s["sync/wait_s"] - s["sync/fetch_s"]
+            s["sync/load_s"] = time.perf_counter() - t0 - s["sync/wait_s"]
 
-    def push(self, part: Iterable | Callable[[], Iterable]) -> None:
-        """Queue one bucket: (name, tensor) pairs, or a callable producing them in the loading thread
-        (object-store fetches then overlap with the next push)."""
+    def push(self, part: Iterable) -> None:
+        """Queue one bucket: (name, tensor) pairs."""
         self._put(part)
 
     def close(self) -> dict:

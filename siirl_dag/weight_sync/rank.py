@@ -1,19 +1,22 @@
 """The rank-side half of a sync between separate meshes, one `RankSync` per rank process.
 
-The driver calls these steps through `RankWorker.weight_sync(op, ...)`:
-- every trainer rank `export`s (the export is collective); the keeper (rank 0) holds the walk open
-  and hands out one bucket per `next`, the others walk it to the end in that same call;
+The driver calls these steps through `RankWorker.weight_sync(op, ...)` (`stream` through
+`RankWorker.weight_stream`):
+- the keeper (the trainer's rank 0) `stream`s the export, a generator of bucket payloads that the
+  driver forwards as they come; the other trainer ranks `export`, walking the same collective
+  export to its end in one call; `stats` then gives the keeper's timings;
 - every rollout rank `open`s a streaming load, takes buckets with `push`, and `close` waits for
   the engine to finish and stamps the version.
-A bucket travels as an object-store reference, or, over a `SyncGroup`, as its metadata while the
-tensors follow by broadcast: the keeper sends bucket k at its next `next`, while the rollout ranks
-receive it in their `push` of bucket k (the driver keeps both calls in flight together).
+A bucket travels as the stream's item (under Ray, an object in the object store that a rollout
+rank maps without a copy), or, over a `SyncGroup`, as its metadata while the tensors follow by
+broadcast: the keeper yields bucket k's metadata, then sends its tensors, which the rollout ranks
+receive in their `push` of bucket k.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Iterator
 
 import torch
 
@@ -23,12 +26,10 @@ from siirl_dag.weight_sync.loader import StreamingLoad, loader_thread
 
 
 class RankSync:
-    def __init__(self, engines: dict, put: Callable = lambda x: x, fetch: Callable = lambda x: x):
-        self.engines, self._put, self._fetch = engines, put, fetch
+    def __init__(self, engines: dict):
+        self.engines = engines
         self.groups: dict[str, SyncGroup] = {}
-        self._export: tuple[Buckets, SyncGroup | None] | None = None
-        self._pending: list | None = None  # the keeper's last bucket, broadcast at the next `next`
-        self._put_s = 0.0
+        self._stats: dict = {}  # the keeper's last stream
         self._load: StreamingLoad | None = None
         self._loader_thread = None  # made at the first load, kept for the next ones
 
@@ -37,30 +38,31 @@ class RankSync:
             self.groups[name] = SyncGroup(address, port, rank, world_size, device)
 
     # -- trainer ranks --------------------------------------------------------------------------
-    def export(self, engine_key: str, bucket_bytes: int, keep: bool, group: str | None = None) -> dict:
-        buckets = Buckets(self.engines[engine_key].export_hf_weights(copy=False), bucket_bytes)
-        if not keep:
-            return buckets.drain()
-        self._export, self._pending, self._put_s = (buckets, self.groups[group] if group else None), None, 0.0
-        return {}
+    def export(self, engine_key: str, bucket_bytes: int) -> dict:
+        """Take part in the export's collectives, keeping nothing (every trainer rank but the keeper)."""
+        return self._buckets(engine_key, bucket_bytes).drain()
 
-    def next(self) -> tuple[Any, dict | None]:
-        """(bucket payload, None), or (None, the export's stats) once the export is done."""
-        buckets, group = self._export
-        if self._pending is not None:
-            group.send(t for _, t in self._pending)
-            self._pending = None
-        bucket = buckets.next()
-        if bucket is None:
-            self._export = None
-            return None, {**buckets.stats, "sync/put_s": self._put_s}
-        if group is not None:
-            self._pending = bucket
-            return meta_of(bucket), None
-        t0 = time.perf_counter()
-        ref = self._put(to_wire(bucket))
-        self._put_s += time.perf_counter() - t0
-        return ref, None
+    def stream(self, engine_key: str, bucket_bytes: int, group: str | None = None) -> Iterator:
+        """The keeper: one payload per bucket, produced as fast as the consumer of the stream allows.
+        `sync/send_s` is the time spent handing buckets over: storing them in the object store (or
+        broadcasting them), and waiting while the consumer is the slower side."""
+        buckets, sender = self._buckets(engine_key, bucket_bytes), self.groups[group] if group else None
+        self._stats = {"sync/send_s": 0.0}
+        while (bucket := buckets.next()) is not None:
+            t0 = time.perf_counter()
+            if sender is not None:
+                yield meta_of(bucket)
+                sender.send(t for _, t in bucket)
+            else:
+                yield to_wire(bucket)
+            self._stats["sync/send_s"] += time.perf_counter() - t0
+        self._stats.update(buckets.stats)
+
+    def stats(self) -> dict:
+        return self._stats
+
+    def _buckets(self, engine_key: str, bucket_bytes: int) -> Buckets:
+        return Buckets(self.engines[engine_key].export_hf_weights(copy=False), bucket_bytes)
 
     # -- rollout ranks --------------------------------------------------------------------------
     def open(self, engine_key: str, version: int) -> None:
@@ -69,18 +71,8 @@ class RankSync:
         self._load = StreamingLoad(self.engines[engine_key], version, self._loader_thread)
 
     def push(self, payload: Any, group: str | None = None) -> None:
-        if group is not None:
-            self._load.push(self.groups[group].receive(payload))
-        else:
-            stats = self._load.stats
-            self._load.push(lambda: self._fetched(payload, stats))
-
-    def _fetched(self, ref, stats: dict):
-        """In the loading thread: map the bucket from the object store (zero-copy for numpy)."""
-        t0 = time.perf_counter()
-        wire = self._fetch(ref)
-        stats["sync/fetch_s"] += time.perf_counter() - t0
-        return from_wire(wire)
+        """`payload`: a bucket's metadata (its tensors come by broadcast) or its wire form."""
+        self._load.push(self.groups[group].receive(payload) if group is not None else from_wire(payload))
 
     def close(self) -> dict:
         load, self._load = self._load, None

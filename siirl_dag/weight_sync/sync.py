@@ -1,10 +1,10 @@
 """The driver's half: which path a sync takes, and the bucket stream between separate meshes.
 
-Separate meshes, bucket by bucket: the driver asks the trainer's rank 0 for the next bucket and
-forwards its reference to every rollout rank, which loads it into the engine already running one
-streaming load. It asks for bucket k+1 while the rollout ranks take bucket k, so export and load
-overlap, and waits for bucket k to be taken before forwarding k+1, so at most about three buckets
-are in flight, whatever the model size.
+Separate meshes, bucket by bucket: the trainer's rank 0 streams its buckets (a Ray streaming
+generator, at most `AHEAD` buckets ahead of the driver) and the driver forwards each one to every
+rollout rank, which loads it into the engine already running one streaming load. The driver waits
+for bucket k to be taken before forwarding k+1, so export and load overlap and at most a few
+buckets are in flight, whatever the model size.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 TRANSPORTS = ("object_store", "collective")
+AHEAD = 2  # buckets the trainer may export before the driver has forwarded them
 
 
 class WeightSync:
@@ -47,31 +48,25 @@ class WeightSync:
     def _stream(self, src: list, dst: list, version: int, group: str | None) -> dict:
         backend = self.rt.backend
         bucket_bytes = int(self.rt.pipe.runtime.weight_sync_bucket_mb * 2**20)
-        keeper = src[0][0]
-        backend.get([backend.call(w, "weight_sync", "open", role.engine_key, version) for w, role in dst])
-        exports = [backend.call(w, "weight_sync", "export", role.engine_key, bucket_bytes, i == 0, group)
-                   for i, (w, role) in enumerate(src)]
-        backend.get(exports[0])  # the keeper returns at once; the others finish with the collective walk
+        (keeper, role), walkers = src[0], src[1:]
+        backend.get([backend.call(w, "weight_sync", "open", r.engine_key, version) for w, r in dst])
+        walks = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
+        payloads = backend.stream(keeper, "weight_stream", role.engine_key, bucket_bytes, group, ahead=AHEAD)
         taken: list = []
         try:
-            while True:
-                payload, info = backend.call(keeper, "weight_sync", "next", num_returns=2)
-                info = backend.get(info)
+            for payload in payloads:
                 backend.get(taken)
-                if info is not None:
-                    break
-                if backend.name == "local":  # Ray hands the reference over; in process, the value
-                    payload = backend.get(payload)
                 taken = [backend.call(w, "weight_sync", "push", payload, group) for w, _ in dst]
+            backend.get(taken)
         except Exception:
             if group is None:  # let the trainer ranks finish their collective walk, so the trainer stays usable
-                _quietly(lambda: _drain(backend, keeper))
+                _quietly(lambda: [None for _ in payloads])
             _quietly(lambda: backend.get([backend.call(w, "weight_sync", "abort") for w, _ in dst]))
             raise
-        stats = dict(info)
+        stats = dict(backend.get(backend.call(keeper, "weight_sync", "stats")))
         loads = backend.get([backend.call(w, "weight_sync", "close") for w, _ in dst])
-        backend.get(exports[1:])
-        for key in ("sync/wait_s", "sync/fetch_s", "sync/load_s"):  # the slowest rollout rank
+        backend.get(walks)
+        for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
             stats[key] = max(load[key] for load in loads)
         return stats
 
@@ -89,11 +84,6 @@ class WeightSync:
                          for rank, w in enumerate(members)])
             self._groups[key] = (name, members)  # members kept alive, so their ids stay theirs
         return self._groups[key][0]
-
-
-def _drain(backend, keeper) -> None:
-    while backend.get(backend.call(keeper, "weight_sync", "next", num_returns=2)[1]) is None:
-        pass
 
 
 def _quietly(clean_up) -> None:

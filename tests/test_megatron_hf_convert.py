@@ -43,6 +43,8 @@ def _convert(rank, world, path, sizes, opts):
         dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
         out["logits"] = torch.cat(shards, -1)[..., :eng.spec.vocab_size]
     out["export"] = dict(eng.export_hf_weights())
+    out["first_stage_export"] = dict(eng.export_hf_weights(first_stage_only=True))
+    out["first_stage"] = ps.is_pipeline_first_stage(ignore_virtual=True)
     return out
 
 
@@ -70,6 +72,10 @@ def test_logits_logprobs_and_export_match_hf(case, tmp_path):
         assert sorted(out["export"]) == sorted(original)
         for name, tensor in original.items():
             assert torch.equal(out["export"][name], tensor), name
+        # a single consumer (weight-sync sender, HF writer): only the first stage gets the tensors
+        assert sorted(out["first_stage_export"]) == (sorted(original) if out["first_stage"] else [])
+        for name, tensor in out["first_stage_export"].items():
+            assert torch.equal(tensor, original[name]), name
 
 
 def _spec(**kw) -> hf_config.HFSpec:

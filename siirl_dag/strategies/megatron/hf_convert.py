@@ -281,14 +281,19 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool) -> list[tuple[s
 
 
 @torch.no_grad()
-def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
+              first_stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit.
 
     copy=False skips the copy of tensors whose layout needs no conversion: they then view the live
     parameters, for a consumer that is done with each one before the next optimizer step (weight sync).
+    first_stage_only: only the ranks of the first pipeline stage consume the export (a weight-sync
+    sender, an HF writer); the other stages send their units there and yield nothing, which halves
+    what a 2-stage pipeline moves.
 
     Collective: every rank of the model-parallel group must iterate it to the end. Per unit, the
-    owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group.
+    owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group (or
+    sends to the first stage).
     """
     ps = _ps()
     units: dict[tuple, list[Bound]] = {}
@@ -301,16 +306,36 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True) ->
         dist.all_gather_object(everyone, sorted(units), group=pp_group)
         owners = {tuple(u): s for s, us in enumerate(everyone) for u in us}
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
+    device = next(p for c in chunks for p in c.parameters()).device
     for unit in sorted(owners):
         mine = unit in units
         tensors = _unit_tensors(units[unit], spec, copy) if mine else []
-        if pp_size > 1:
+        if pp_size > 1 and first_stage_only:
+            tensors = _to_first_stage(tensors, owners[unit], pp_ranks, pp_group, device) if owners[unit] else tensors
+        elif pp_size > 1:
             src = pp_ranks[owners[unit]]
             meta = [[(n, t.shape, t.dtype) for n, t in tensors]]
             dist.broadcast_object_list(meta, src=src, group=pp_group)
             if not mine:
-                device = next(p for c in chunks for p in c.parameters()).device
                 tensors = [(n, torch.empty(s, dtype=d, device=device)) for n, s, d in meta[0]]
             for _, t in tensors:
                 dist.broadcast(t, src=src, group=pp_group)
         yield from tensors
+
+
+def _to_first_stage(tensors: list, owner: int, pp_ranks: list[int], group, device) -> list:
+    """A unit of stage `owner` > 0: sent to the first stage's rank, received there; [] elsewhere."""
+    stage = pp_ranks.index(dist.get_rank())
+    if stage == owner:
+        dist.send_object_list([[(n, t.shape, t.dtype) for n, t in tensors]], dst=pp_ranks[0], group=group)
+        for _, t in tensors:
+            dist.send(t, dst=pp_ranks[0], group=group)
+        return []
+    if stage != 0:
+        return []
+    meta: list[Any] = [None]
+    dist.recv_object_list(meta, src=pp_ranks[owner], group=group)
+    received = [(n, torch.empty(s, dtype=d, device=device)) for n, s, d in meta[0]]
+    for _, t in received:
+        dist.recv(t, src=pp_ranks[owner], group=group)
+    return received

@@ -43,8 +43,7 @@ def _convert(rank, world, path, sizes, opts):
         dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
         out["logits"] = torch.cat(shards, -1)[..., :eng.spec.vocab_size]
     out["export"] = dict(eng.export_hf_weights())
-    out["first_stage_export"] = dict(eng.export_hf_weights(first_stage_only=True))
-    out["first_stage"] = ps.is_pipeline_first_stage(ignore_virtual=True)
+    out["first_rank_export"] = dict(eng.export_hf_weights(first_rank_only=True))
     return out
 
 
@@ -64,7 +63,8 @@ def test_logits_logprobs_and_export_match_hf(case, tmp_path):
     path = make_tiny_hf(str(tmp_path / arch), arch, **overrides)
     ref = hf_reference(path, make_batch(vocab=overrides.get("vocab_size", 256)))
     original = hf_state(path)
-    for out in run_ranks(_convert, world, path, sizes, opts):
+    outs = run_ranks(_convert, world, path, sizes, opts)
+    for out in outs:
         if "logits" in out:
             torch.testing.assert_close(out["logits"], ref["logits"], atol=1e-5, rtol=0)
         torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-5, rtol=0)
@@ -72,10 +72,11 @@ def test_logits_logprobs_and_export_match_hf(case, tmp_path):
         assert sorted(out["export"]) == sorted(original)
         for name, tensor in original.items():
             assert torch.equal(out["export"][name], tensor), name
-        # a single consumer (weight-sync sender, HF writer): only the first stage gets the tensors
-        assert sorted(out["first_stage_export"]) == (sorted(original) if out["first_stage"] else [])
-        for name, tensor in out["first_stage_export"].items():
-            assert torch.equal(tensor, original[name]), name
+    # a single consumer (weight-sync sender, HF writer) on rank 0: whole there, gathered to it only
+    first = outs[0]["first_rank_export"]
+    assert sorted(first) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(first[name], tensor), name
 
 
 def _spec(**kw) -> hf_config.HFSpec:

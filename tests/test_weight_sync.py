@@ -219,7 +219,7 @@ class ExportingEngine:
     def __init__(self, n: int):
         self.n, self.walked = n, 0
 
-    def export_hf_weights(self, copy: bool = True, first_stage_only: bool = False):
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False):
         for i in range(self.n):
             self.walked += 1
             yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each

@@ -62,7 +62,7 @@ class RankSync:
         return self._stats
 
     def _buckets(self, engine_key: str, bucket_bytes: int) -> Buckets:
-        return Buckets(self.engines[engine_key].export_hf_weights(copy=False, first_stage_only=True), bucket_bytes)
+        return Buckets(self.engines[engine_key].export_hf_weights(copy=False, first_rank_only=True), bucket_bytes)
 
     # -- rollout ranks --------------------------------------------------------------------------
     def open(self, engine_key: str, version: int) -> None:

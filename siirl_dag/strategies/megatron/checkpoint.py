@@ -80,7 +80,7 @@ def save_hf(chunks: list[torch.nn.Module], spec: HFSpec, directory: str,
         os.makedirs(directory, exist_ok=True)
     files: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in export_hf(chunks, spec, first_stage_only=True):
+    for name, tensor in export_hf(chunks, spec, first_rank_only=True):
         if not writer:
             continue
         nbytes = tensor.numel() * tensor.element_size()

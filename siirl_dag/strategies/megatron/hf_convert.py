@@ -239,17 +239,24 @@ def load_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> None:
         b.param.copy_(shard)
 
 
-def _all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+def _gather(t: torch.Tensor, size: int, group, everyone: bool) -> list[torch.Tensor] | None:
+    """The shards of `t` over `group`: on every member (all-gather), or on its first member only
+    (a gather: half the traffic, and on gloo 3-5x faster than an all-gather); None on the others."""
     if size == 1:
         return [t]
-    out = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(out, t.contiguous(), group=group)
+    if everyone:
+        out = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(out, t.contiguous(), group=group)
+        return out
+    first = dist.get_rank() == dist.get_process_group_ranks(group)[0]
+    out = [torch.empty_like(t) for _ in range(size)] if first else None
+    dist.gather(t.contiguous(), out, group=group, group_dst=0)
     return out
 
 
-def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered. Without `copy`
-    they may view the live parameters."""
+def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered (to every rank,
+    or to the first of each group only). Without `copy` they may view the live parameters."""
     ps = _ps()
     ep_size, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
     dense, experts = [], {}
@@ -258,7 +265,9 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool) -> list[tuple[s
             continue
         rank, size, group = _tp(b)
         param = b.param.detach()
-        shards = _all_gather(param, size if b.rule.kind != "copy" else 1, group)
+        shards = _gather(param, size if b.rule.kind != "copy" else 1, group, everyone)
+        if not everyone and rank != 0:
+            continue
         hf = [t.contiguous() for t in to_hf(b.rule.kind, shards, spec)]
         if copy:
             hf = [t.clone() if t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() else t for t in hf]
@@ -270,7 +279,10 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool) -> list[tuple[s
     for rule, items in experts.items():
         per_rank = [[t for _, hf in items for t in hf]]
         if ep_size > 1:
-            per_rank = [list(x) for x in zip(*[_all_gather(t, ep_size, ep_group) for t in per_rank[0]])]
+            gathered = [_gather(t, ep_size, ep_group, everyone) for t in per_rank[0]]
+            if not everyone and ps.get_expert_model_parallel_rank() != 0:
+                continue
+            per_rank = [list(x) for x in zip(*gathered)]
         n_local, n_hf = len(items), len(rule.hf)
         layer = items[0][0].layer
         for r, flat in enumerate(per_rank):
@@ -282,14 +294,15 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool) -> list[tuple[s
 
 @torch.no_grad()
 def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
-              first_stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+              first_rank_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit.
 
     copy=False skips the copy of tensors whose layout needs no conversion: they then view the live
     parameters, for a consumer that is done with each one before the next optimizer step (weight sync).
-    first_stage_only: only the ranks of the first pipeline stage consume the export (a weight-sync
-    sender, an HF writer); the other stages send their units there and yield nothing, which halves
-    what a 2-stage pipeline moves.
+    first_rank_only: one consumer (a weight-sync sender, an HF writer) on the model-parallel group's
+    first rank: shards are gathered to the first rank of each TP and EP group, and later pipeline
+    stages send their units to the first stage, instead of every rank getting every tensor. Only the
+    first rank's export is then whole; the other ranks must walk theirs and ignore what it holds.
 
     Collective: every rank of the model-parallel group must iterate it to the end. Per unit, the
     owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group (or
@@ -309,8 +322,8 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
     device = next(p for c in chunks for p in c.parameters()).device
     for unit in sorted(owners):
         mine = unit in units
-        tensors = _unit_tensors(units[unit], spec, copy) if mine else []
-        if pp_size > 1 and first_stage_only:
+        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only) if mine else []
+        if pp_size > 1 and first_rank_only:
             tensors = _to_first_stage(tensors, owners[unit], pp_ranks, pp_group, device) if owners[unit] else tensors
         elif pp_size > 1:
             src = pp_ranks[owners[unit]]

@@ -4,9 +4,10 @@ rollout engine (each shards them for its own TP), stamped with the trainer's ver
 
 - Colocated meshes (the rollout engine lives in the trainer's rank processes): each rank's engine
   loads straight from the export iterator (`rank.handoff`), no serialization.
-- Separate meshes: the trainer's rank 0 cuts the export into buckets of runtime.weight_sync_bucket_mb
-  (`buckets`), the driver forwards them one at a time (`sync`), and every rollout rank feeds them
-  into one streaming engine load (`loader`). Buckets go through Ray's object store, or, on GPUs,
+- Separate meshes: the export is gathered to the trainer's rank 0 only, which cuts it into buckets
+  of runtime.weight_sync_bucket_mb (`buckets`) and streams them (a Ray streaming generator); the
+  driver forwards them one at a time (`sync`), and every rollout rank feeds them into one streaming
+  engine load (`loader`). Buckets go through Ray's object store, or, on GPUs,
   by NCCL broadcast over a group of the trainer's rank 0 and the rollout ranks (`collective`).
 
 The rollout refuses to generate with weights older than the trainer's version minus

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from siirl_dag.runtime.worker import RankWorker, resolve
+from siirl_dag.runtime.worker import RankWorker
 
 
 class _Done:
@@ -145,7 +145,10 @@ class RayBackend:
         return ray.get(ref, timeout=timeout)
 
     def fetch(self, ref):
-        return resolve(ref)  # object-store shards, and the prompts that travel inline
+        """A shard from the object store, or a value that travels inline (the prompts)."""
+        import ray
+
+        return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
     def wait(self, pending: list) -> list:
         import ray

@@ -176,12 +176,6 @@ def _assemble(inputs: list, shards: tuple) -> Batch:
     return batch if batch is not None else Batch()
 
 
-def resolve(ref):
-    """A shard or weight bucket: the value behind an object-store reference, or a value that travels inline."""
-    import ray
-
-    return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
-
 
 def _checked(role: RoleSpec, batch: Batch, out) -> Batch:
     """The node must return exactly what its kind declares (input keys may be re-emitted when it expands rows)."""

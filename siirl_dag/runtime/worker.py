@@ -176,7 +176,6 @@ def _assemble(inputs: list, shards: tuple) -> Batch:
     return batch if batch is not None else Batch()
 
 
-
 def _checked(role: RoleSpec, batch: Batch, out) -> Batch:
     """The node must return exactly what its kind declares (input keys may be re-emitted when it expands rows)."""
     out = out if isinstance(out, Batch) else Batch.from_dict(out)

@@ -53,6 +53,9 @@ def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
 def linear_packing(packed: bool) -> Iterator[None]:
     """While the engine builds its model: oneDNN-pack linear weights or keep them plain (option
     `cpu_packed_weights`), and keep the plain weight of a packed layer (see the module doc)."""
+    if not active():
+        yield
+        return
     from vllm.model_executor.layers import utils
 
     if packed:

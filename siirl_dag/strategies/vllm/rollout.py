@@ -122,8 +122,7 @@ class VllmRollout(Strategy):
         start = time.perf_counter()
         first = self.ctx.rank // self.tp * self.tp
         shm_files = cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm)
-        packing = cpu_compat.linear_packing(opts["cpu_packed_weights"]) if cpu_compat.active() else contextlib.nullcontext()
-        with host_rng_kept(), cpu_compat.keep_torch_threads(), shm_files, packing:
+        with host_rng_kept(), cpu_compat.keep_torch_threads(), shm_files, cpu_compat.linear_packing(opts["cpu_packed_weights"]):
             llm = LLM(**kwargs)
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm

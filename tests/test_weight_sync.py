@@ -1,12 +1,10 @@
 """Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train
 one step, the new weights stream into vLLM engines on a separate mesh (object store, or a gloo
 process group) and on the trainer's own ranks (in-process handoff), and vLLM's log-probs of what it
-samples then equal Megatron's. Plus the streaming pieces alone (buckets, the fed load)."""
+samples then equal Megatron's. Plus the pieces alone: buckets, the shared-memory channel between two
+Ray actors, and the driver's protocol in one process."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ from siirl_dag.config import load_pipeline
 from siirl_dag.runtime import Batch, PipelineError, Runtime
 from siirl_dag.weight_sync import WeightSync
 from siirl_dag.weight_sync.buckets import Buckets, from_wire, to_wire
-from siirl_dag.weight_sync.loader import StreamingLoad, loader_thread
 
 PIPELINE = """\
 name: ws
@@ -146,84 +143,107 @@ def test_buckets_pull_only_what_the_next_bucket_needs():
     assert name == "b" and t.dtype == torch.bfloat16 and t.tolist() == [0, 1, 2, 3]
 
 
-class RecordingEngine:
-    """Consumes the weights iterator like an engine does; records what arrived, and when."""
+def test_buckets_never_exceed_their_size_and_a_larger_tensor_travels_alone():
+    sizes = [1, 2, 1, 5, 1, 1]  # KiB
+    export = ((f"w{i}", torch.zeros(256 * kib)) for i, kib in enumerate(sizes))
+    buckets = Buckets(export, bucket_bytes=3 * 1024)
+    got = []
+    while (b := buckets.next()) is not None:
+        got.append([n for n, _ in b])
+    assert got == [["w0", "w1"], ["w2"], ["w3"], ["w4", "w5"]]
 
-    def __init__(self, fail_at: str | None = None):
-        self.loaded, self.version, self.fail_at = [], 0, fail_at
+
+class RecordingEngine:
+    """Consumes the weights iterator like an engine does; records what arrived (name and value, read
+    when it arrived). `retain` keeps every tensor, as vLLM's nested weight generators keep some."""
+
+    def __init__(self, fail_at: str | None = None, retain: bool = False):
+        self.loaded, self.values, self.version, self.fail_at, self.retain = [], [], 0, fail_at, retain
+        self.kept = []
 
     def load_weights(self, named, version):
-        for name, _ in named:
+        for name, t in named:
             if name == self.fail_at:
                 raise KeyError(f"no parameter {name}")
             self.loaded.append(name)
-            time.sleep(0.01)
+            self.values.append(float(t[0]))
+            if self.retain:
+                self.kept.append(t)
         self.version = version
 
 
-def test_streaming_load_takes_buckets_one_at_a_time_and_stamps_the_version_at_the_end():
-    engine = RecordingEngine()
-    load = StreamingLoad(engine, 3, loader_thread())
-    load.push([("a", None), ("b", None)])
-    load.push(iter([("c", None)]))  # a lazy bucket (object-store views) is read in the loading thread
-    assert engine.version == 0, "the version is stamped only when every bucket has been loaded"
-    stats = load.close()
-    assert engine.loaded == ["a", "b", "c"] and engine.version == 3
-    assert {"sync/load_s", "sync/wait_s"} <= set(stats)
-
-
-def test_streaming_load_holds_one_bucket_in_waiting():
-    gate = threading.Event()
-
-    class Slow(RecordingEngine):
-        def load_weights(self, named, version):
-            gate.wait()
-            super().load_weights(named, version)
-
-    load = StreamingLoad(Slow(), 1, loader_thread())
-    load.push([("a", None)])  # waits in the queue
-    pusher = threading.Thread(target=load.push, args=([("b", None)],))
-    pusher.start()
-    pusher.join(timeout=0.5)
-    assert pusher.is_alive(), "a second bucket is not taken while one is still waiting"
-    gate.set()
-    pusher.join(timeout=5)
-    load.close()
-
-
-def test_streaming_load_reports_the_engines_error():
-    load = StreamingLoad(RecordingEngine(fail_at="b"), 1, loader_thread())
-    load.push([("a", None), ("b", None)])
-    with pytest.raises(KeyError, match="no parameter b"):
-        load.close()
-    load = StreamingLoad(RecordingEngine(fail_at="a"), 1, loader_thread())
-    load.push([("a", None)])
-    time.sleep(0.2)
-    with pytest.raises(RuntimeError, match="loading the weights into the rollout engine failed"):
-        load.push([("b", None)])
-
-
-def test_aborted_stream_leaves_the_version_alone():
-    engine = RecordingEngine()
-    load = StreamingLoad(engine, 5, loader_thread())
-    load.push([("a", None)])
-    load.abort()
-    assert engine.version == 0 and engine.loaded == ["a"]
-
-
-# --- the driver's stream protocol, in process, with recording engines ---------------------------
-
 class ExportingEngine:
-    """A trainer engine whose export records how far it was walked."""
+    """A trainer engine whose export records how far it was walked (and may fail half-way)."""
 
-    def __init__(self, n: int):
-        self.n, self.walked = n, 0
+    def __init__(self, n: int, fail_at: int | None = None):
+        self.n, self.walked, self.fail_at = n, 0, fail_at
 
     def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False):
         for i in range(self.n):
+            if i == self.fail_at:
+                raise RuntimeError("gather failed")
             self.walked += 1
             yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each
 
+
+# --- rank to rank through a Ray shared-memory channel ---------------------------------------------
+
+def channel_sync(trainer_engine, rollout_engine, syncs: int = 1):
+    """The keeper's `send` and a rollout rank's `receive` in two Ray actors, over one channel made
+    once and used `syncs` times; returns each side's result (or exception) per sync and the engines."""
+    import ray
+
+    from siirl_dag.weight_sync import RankSync
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, engine):
+            self.sync = RankSync({"e": engine})
+
+        def op(self, name, *args):
+            return getattr(self.sync, name)(*args)
+
+        def engine(self):
+            return self.sync.engines["e"]
+
+    keeper, reader = Rank.remote(trainer_engine), Rank.remote(rollout_engine)
+    node = ray.get(reader.op.remote("node"))
+    ray.get(reader.op.remote("attach", "p", ray.get(keeper.op.remote("open_channel", "p", [(reader, node)], 2048))))
+    results = []
+    for version in range(1, syncs + 1):
+        calls = [keeper.op.remote("send", "e", 2048, "p"), reader.op.remote("receive", "e", version, "p")]
+        out = []
+        for call in calls:
+            try:
+                out.append(ray.get(call, timeout=60))
+            except ray.exceptions.RayTaskError as error:
+                out.append(error)
+        results.append(out)
+    return results, ray.get(keeper.engine.remote()), ray.get(reader.engine.remote())
+
+
+def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_references():
+    results, trainer, rollout = channel_sync(ExportingEngine(9), RecordingEngine(retain=True), syncs=3)
+    for sent, received in results:
+        assert sent["sync/buckets"] == 5 and sent["sync/bytes"] == 9 * 1024 and received["sync/load_s"] > 0
+    assert rollout.loaded == [f"w{i}" for i in range(9)] * 3 and rollout.version == 3
+    assert rollout.values == [float(i) for i in range(9)] * 3, "each tensor holds its own data when loaded"
+
+
+def test_channel_a_failed_load_still_takes_the_whole_stream():
+    [(sent, received)], trainer, rollout = channel_sync(ExportingEngine(40), RecordingEngine(fail_at="w3"))
+    assert sent["sync/buckets"] == 20 and trainer.walked == 40, "the trainer's export is walked to its end"
+    assert "no parameter w3" in str(received) and rollout.version == 0
+
+
+def test_channel_a_failed_export_fails_the_load_and_keeps_the_old_version():
+    [(sent, received)], trainer, rollout = channel_sync(ExportingEngine(40, fail_at=7), RecordingEngine())
+    assert "gather failed" in str(sent)
+    assert "the trainer's weight export failed" in str(received) and "gather failed" in str(received)
+    assert rollout.version == 0 and rollout.loaded == [f"w{i}" for i in range(6)]  # w6 was in the failed bucket
+
+
+# --- the driver's stream protocol, in process, with recording engines ---------------------------
 
 def stream_sync(trainer_engine, rollout_engine):
     from types import SimpleNamespace
@@ -236,7 +256,7 @@ def stream_sync(trainer_engine, rollout_engine):
     rt = SimpleNamespace(backend=LocalBackend(None), roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
                                                             "rollout": [(rollout, SimpleNamespace(engine_key="r"))]},
                          pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024),
-                                              cluster=SimpleNamespace(device="cpu")))
+                                              cluster=SimpleNamespace(device="cpu", nodes=1)))
     return WeightSync(rt)("update", "rollout", 7)
 
 
@@ -244,12 +264,12 @@ def test_stream_delivers_every_bucket_in_order_and_stamps_the_version():
     engine = RecordingEngine()
     metrics = stream_sync(ExportingEngine(6), engine)
     assert engine.loaded == [f"w{i}" for i in range(6)] and engine.version == 7
-    assert metrics["sync/buckets"] == 3 and metrics["sync/bytes"] == 6 * 1024 and "sync/send_s" in metrics
+    assert metrics["sync/buckets"] == 3 and metrics["sync/bytes"] == 6 * 1024 and metrics["sync/load_s"] > 0
 
 
 def test_a_failed_load_drains_the_trainers_export_and_keeps_the_old_version():
     engine, trainer = RecordingEngine(fail_at="w3"), ExportingEngine(40)
-    with pytest.raises((KeyError, RuntimeError), match="no parameter w3"):  # at a push, or at the close
+    with pytest.raises(KeyError, match="no parameter w3"):
         stream_sync(trainer, engine)
     assert engine.version == 0 and engine.loaded == ["w0", "w1", "w2"]
     assert trainer.walked == 40, "the trainer's export (collective on its ranks) is walked to its end"

@@ -41,10 +41,6 @@ class LocalBackend:
             return [_Done(error=exc)] * num_returns if num_returns > 1 else _Done(error=exc)
         return [_Done(v) for v in value] if num_returns > 1 else _Done(value)
 
-    def stream(self, worker, method: str, *args, ahead: int = 1):
-        """The values a generator method yields, as it yields them."""
-        return getattr(worker, method)(*args)
-
     def get(self, done, timeout: float | None = None):
         if isinstance(done, list):
             return [self.get(d) for d in done]
@@ -80,8 +76,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         # workers import the same code the driver sees (the checkout, user kinds, tests)
         paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         kwargs.update(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}},
-                      # Ray batches object frees for up to 1 s, so every step's outputs and weight
-                      # buckets land on untouched shared memory and pay its page faults (up to 10x
+                      # Ray batches object frees for up to 1 s, so every step's outputs
+                      # land on untouched shared memory and pay its page faults (up to 10x
                       # a warm copy on a VM); freed promptly, the store reuses warm pages
                       _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
     ray.init(**kwargs)
@@ -132,12 +128,6 @@ class RayBackend:
 
     def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
         return getattr(worker, method).options(num_returns=num_returns).remote(*args, **kwargs)
-
-    def stream(self, worker, method: str, *args, ahead: int = 1):
-        """References to the values a generator method yields, each as soon as it is yielded; the
-        method pauses while `ahead` of them are not yet taken (a Ray streaming generator)."""
-        return getattr(worker, method).options(num_returns="streaming",
-                                               _generator_backpressure_num_objects=ahead).remote(*args)
 
     def get(self, ref, timeout: float | None = None):
         import ray

@@ -125,15 +125,11 @@ class RankWorker:
 
     # -- weight sync (siirl_dag.weight_sync holds the logic) -----------------------------------
     def weight_sync(self, op: str, *args):
-        """One step of a sync between separate meshes (export/stats on the trainer's ranks,
-        open/push/close on the rollout's, join for a process group): see weight_sync.rank."""
-        if op == "open":
+        """One rank's part of a sync between separate meshes (send/export on the trainer's ranks,
+        receive on the rollout's, and the pipe's set-up): see weight_sync.rank."""
+        if op == "receive":
             self._activate(args[0])
         return getattr(self._rank_sync(), op)(*args)
-
-    def weight_stream(self, engine_key: str, bucket_bytes: int, group: str | None = None):
-        """The trainer's rank 0: its export as a stream of bucket payloads (see weight_sync.rank)."""
-        yield from self._rank_sync().stream(engine_key, bucket_bytes, group)
 
     def _rank_sync(self):
         from siirl_dag import weight_sync

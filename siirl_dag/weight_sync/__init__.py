@@ -5,10 +5,11 @@ rollout engine (each shards them for its own TP), stamped with the trainer's ver
 - Colocated meshes (the rollout engine lives in the trainer's rank processes): each rank's engine
   loads straight from the export iterator (`rank.handoff`), no serialization.
 - Separate meshes: the export is gathered to the trainer's rank 0 only, which cuts it into buckets
-  of runtime.weight_sync_bucket_mb (`buckets`) and streams them (a Ray streaming generator); the
-  driver forwards them one at a time (`sync`), and every rollout rank feeds them into one streaming
-  engine load (`loader`). Buckets go through Ray's object store, or, on GPUs,
-  by NCCL broadcast over a group of the trainer's rank 0 and the rollout ranks (`collective`).
+  of at most runtime.weight_sync_bucket_mb (`buckets`) and writes them into a pipe that every
+  rollout rank reads into one engine load (`rank`); the driver only starts the ranks' parts and
+  waits (`sync`). The pipe is a ring of shared-memory buffers in Ray's object store, reused from
+  sync to sync (`channel`), or, on GPUs and across machines, a broadcast over a process group of
+  the trainer's rank 0 and the rollout ranks (`collective`: NCCL, or gloo on CPU).
 
 The rollout refuses to generate with weights older than the trainer's version minus
 runtime.staleness (`NodeContext.check_weights_version`).

@@ -1,8 +1,11 @@
-"""The trainer's HF-named export cut into buckets, one bucket at a time, and the buckets' wire form.
+"""The trainer's HF-named export cut into buckets, one bucket at a time, and what travels in a pipe.
 
 The export (`export_hf_weights`) is a collective walk that yields one layer's full tensors at a
 time; `Buckets` pulls from it only as far as the next bucket needs, so a rank never holds more than
 about one layer plus one bucket, however large the model.
+
+A pipe (`channel.ChannelPipe`, `collective.SyncGroup`, `rank.InlinePipe`) carries, in order, the
+buckets of one sync, then `None` (the end), or an `Aborted` in place of the next bucket.
 """
 
 from __future__ import annotations
@@ -33,21 +36,35 @@ def timed(items: Iterable, stats: dict, key: str) -> Iterator:
         yield item
 
 
+class Aborted:
+    """Sent in place of the next bucket when the trainer's export failed: the readers raise it."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def error(self) -> RuntimeError:
+        return RuntimeError(f"the trainer's weight export failed: {self.reason}")
+
+
 class Buckets:
-    """Pulls (name, tensor) pairs from an export into buckets of at least `bucket_bytes`
-    (a tensor is never split: one larger than the bucket makes a bucket of its own)."""
+    """Pulls (name, tensor) pairs from an export into buckets of at most `bucket_bytes`, so a pipe's
+    fixed buffers fit them (a tensor is never split: one larger than that travels alone)."""
 
     def __init__(self, named_tensors: Iterable[Named], bucket_bytes: int):
         self.stats = {"sync/gather_s": 0.0, "sync/bytes": 0, "sync/buckets": 0}
         self._tensors = timed(named_tensors, self.stats, "sync/gather_s")
+        self._held: Named | None = None  # pulled, but did not fit the last bucket
         self.bucket_bytes = bucket_bytes
 
     def next(self) -> list[Named] | None:
         """The next bucket, or None when the export is done."""
         bucket, size = [], 0
         while size < self.bucket_bytes:
-            item = next(self._tensors, None)
+            item, self._held = self._held or next(self._tensors, None), None
             if item is None:
+                break
+            if bucket and size + nbytes(item[1]) > self.bucket_bytes:
+                self._held = item
                 break
             bucket.append(item)
             size += nbytes(item[1])
@@ -65,12 +82,12 @@ class Buckets:
 
 
 def to_wire(bucket: list[Named]) -> dict:
-    """{name: (numpy array, dtype)}: numpy crosses the object store without a copy on the reader's side."""
+    """{name: (numpy array, dtype)}: numpy crosses Ray's shared memory without a copy on the reader's side."""
     return {name: tensor_to_wire(t) for name, t in bucket}
 
 
 def from_wire(wire: dict) -> Iterator[Named]:
-    """Tensors viewing the wire arrays. Object-store arrays are read-only views of shared memory; the
-    engine's loader only reads them (it copies into its own parameters), so no private copy is made."""
+    """Tensors viewing the wire arrays, read-only views of shared memory under Ray; the engine's
+    loader only reads them (it copies into its own parameters), so no private copy is made."""
     for name, (array, dtype) in wire.items():
         yield name, tensor_from_wire(array, dtype, copy=False)

@@ -5,14 +5,17 @@ runs over gloo (tests, CPU clusters). The group is built from a TCPStore hosted 
 rank 0 and constructed directly (`ProcessGroupNCCL` / `ProcessGroupGloo`), because each member
 process already has a default group of its own mesh that the others are not part of.
 
-Group rank 0 is the sender. Only tensor data travels here; names, shapes and dtypes of a bucket go
-ahead through the driver, so receivers allocate before they receive.
+Group rank 0 is the writer. Each payload goes as its pickled header first (a bucket's names, shapes
+and dtypes, or the end / abort marker), so readers allocate before the tensors follow. The group is
+not registered with torch.distributed, so torch's object collectives cannot take it: the header is
+two broadcasts of its own (length, bytes).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Iterable
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,19 +45,34 @@ class SyncGroup:
     def _broadcast(self, t: torch.Tensor) -> None:
         self.pg.broadcast(t, 0).wait()
 
-    def send(self, tensors: Iterable[torch.Tensor]) -> None:
-        for t in tensors:
-            self._broadcast(t.detach().to(self.device).contiguous())
-        self._synchronize()
+    def write(self, payload: Any) -> None:
+        """A bucket ((name, tensor) pairs), or an end/abort marker, from group rank 0 to every member."""
+        self._header(meta_of(payload) if isinstance(payload, list) else payload)
+        if isinstance(payload, list):
+            for _, t in payload:
+                self._broadcast(t.detach().to(self.device).contiguous())
+            self._synchronize()
 
-    def receive(self, meta: Meta) -> list[tuple[str, torch.Tensor]]:
+    def read(self) -> Any:
+        header = self._header()
+        if not isinstance(header, list):
+            return header
         out = []
-        for name, shape, dtype in meta:
+        for name, shape, dtype in header:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
             self._broadcast(t)
             out.append((name, t))
         self._synchronize()
         return out
+
+    def _header(self, obj: Any = None) -> Any:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.rank == 0 else None
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=self.device)
+        self._broadcast(size)
+        buf = data.to(self.device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8,
+                                                                         device=self.device)
+        self._broadcast(buf)
+        return obj if self.rank == 0 else pickle.loads(buf.cpu().numpy().tobytes())
 
     def _synchronize(self) -> None:
         """NCCL work is asynchronous on the device: finish it before the buffers change hands."""

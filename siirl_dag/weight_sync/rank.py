@@ -1,87 +1,135 @@
 """The rank-side half of a sync between separate meshes, one `RankSync` per rank process.
 
-The driver calls these steps through `RankWorker.weight_sync(op, ...)` (`stream` through
-`RankWorker.weight_stream`):
-- the keeper (the trainer's rank 0) `stream`s the export, a generator of bucket payloads that the
-  driver forwards as they come; the other trainer ranks `export`, walking the same collective
-  export to its end in one call; `stats` then gives the keeper's timings;
-- every rollout rank `open`s a streaming load, takes buckets with `push`, and `close` waits for
-  the engine to finish and stamps the version.
-A bucket travels as the stream's item (under Ray, an object in the object store that a rollout
-rank maps without a copy), or, over a `SyncGroup`, as its metadata while the tensors follow by
-broadcast: the keeper yields bucket k's metadata, then sends its tensors, which the rollout ranks
-receive in their `push` of bucket k.
+The driver calls these steps through `RankWorker.weight_sync(op, ...)`, all at once for a sync:
+- the keeper (the trainer's rank 0) `send`s its export into a pipe, bucket by bucket, then the
+  end; the other trainer ranks `export`, taking part in the same collective export to its end;
+- every rollout rank `receive`s from the pipe into one engine load, in its own main thread, and
+  the engine stamps the version once every bucket is in.
+The pipe is made once per trainer -> rollout pair: a Ray shared-memory channel (`open_channel` on
+the keeper, `attach` on the rollout ranks) or a process group (`join`); with
+runtime.backend=local the rollout reads the keeper's export directly (`inline`).
+A pipe's capacity (two channel buffers, or a broadcast's rendezvous) paces the trainer to the
+rollout, so at most a few buckets exist at a time, whatever the model size.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from contextlib import suppress
+from typing import Any
 
 import torch
 
-from siirl_dag.weight_sync.buckets import Buckets, from_wire, nbytes, timed, to_wire
-from siirl_dag.weight_sync.collective import SyncGroup, meta_of
-from siirl_dag.weight_sync.loader import StreamingLoad, loader_thread
+from siirl_dag.weight_sync.buckets import Aborted, Buckets, nbytes, timed
+from siirl_dag.weight_sync.channel import ChannelPipe
+from siirl_dag.weight_sync.collective import SyncGroup
+
+
+class InlinePipe:
+    """runtime.backend=local (one process): the reader pulls buckets straight from the export."""
+
+    def __init__(self, buckets: Buckets):
+        self.buckets = buckets
+
+    def read(self) -> list | None:
+        return self.buckets.next()
+
+    def close(self) -> None:
+        pass
 
 
 class RankSync:
     def __init__(self, engines: dict):
         self.engines = engines
-        self.groups: dict[str, SyncGroup] = {}
-        self._stats: dict = {}  # the keeper's last stream
-        self._load: StreamingLoad | None = None
-        self._loader_thread = None  # made at the first load, kept for the next ones
+        self.pipes: dict[str, Any] = {}  # name -> ChannelPipe | SyncGroup, kept from sync to sync
 
+    # -- set-up, once per trainer -> rollout pair ------------------------------------------------
     def join(self, name: str, address: str, port: int, rank: int, world_size: int, device: str) -> None:
-        if name not in self.groups:
-            self.groups[name] = SyncGroup(address, port, rank, world_size, device)
+        if name not in self.pipes:
+            self.pipes[name] = SyncGroup(address, port, rank, world_size, device)
+
+    def open_channel(self, name: str, readers: list, bucket_bytes: int) -> ChannelPipe:
+        """The keeper makes the channel; the driver hands it to the readers (`attach`)."""
+        self.pipes[name] = ChannelPipe.create(readers, bucket_bytes)
+        return self.pipes[name]
+
+    def attach(self, name: str, pipe: ChannelPipe) -> None:
+        self.pipes[name] = pipe
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     # -- trainer ranks --------------------------------------------------------------------------
     def export(self, engine_key: str, bucket_bytes: int) -> dict:
         """Take part in the export's collectives, keeping nothing (every trainer rank but the keeper)."""
         return self._buckets(engine_key, bucket_bytes).drain()
 
-    def stream(self, engine_key: str, bucket_bytes: int, group: str | None = None) -> Iterator:
-        """The keeper: one payload per bucket, produced as fast as the consumer of the stream allows.
-        `sync/send_s` is the time spent handing buckets over: storing them in the object store (or
-        broadcasting them), and waiting while the consumer is the slower side."""
-        buckets, sender = self._buckets(engine_key, bucket_bytes), self.groups[group] if group else None
-        self._stats = {"sync/send_s": 0.0}
-        while (bucket := buckets.next()) is not None:
-            t0 = time.perf_counter()
-            if sender is not None:
-                yield meta_of(bucket)
-                sender.send(t for _, t in bucket)
-            else:
-                yield to_wire(bucket)
-            self._stats["sync/send_s"] += time.perf_counter() - t0
-        self._stats.update(buckets.stats)
+    def send(self, engine_key: str, bucket_bytes: int, pipe: str) -> dict:
+        """The keeper: every bucket into the pipe, then the end. `sync/send_s` is the time spent
+        writing (the copy into shared memory, or the broadcast), including any wait for a slower reader."""
+        pipe, buckets = self.pipes[pipe], self._buckets(engine_key, bucket_bytes)
+        stats = {"sync/send_s": 0.0}
+        try:
+            while (bucket := buckets.next()) is not None:
+                t0 = time.perf_counter()
+                pipe.write(bucket)
+                stats["sync/send_s"] += time.perf_counter() - t0
+            pipe.write(None)
+        except Exception as error:
+            with suppress(Exception):  # the readers stop waiting for buckets
+                pipe.write(Aborted(repr(error)))
+            with suppress(Exception):  # the other trainer ranks finish their collective walk
+                buckets.drain()
+            raise
+        return {**stats, **buckets.stats}
 
-    def stats(self) -> dict:
-        return self._stats
+    def inline(self, engine_key: str, bucket_bytes: int) -> InlinePipe:
+        return InlinePipe(self._buckets(engine_key, bucket_bytes))
 
     def _buckets(self, engine_key: str, bucket_bytes: int) -> Buckets:
         return Buckets(self.engines[engine_key].export_hf_weights(copy=False, first_rank_only=True), bucket_bytes)
 
     # -- rollout ranks --------------------------------------------------------------------------
-    def open(self, engine_key: str, version: int) -> None:
-        self.abort()  # a sync that failed half-way may have left its stream open
-        self._loader_thread = self._loader_thread or loader_thread()
-        self._load = StreamingLoad(self.engines[engine_key], version, self._loader_thread)
+    def receive(self, engine_key: str, version: int, pipe: str | InlinePipe) -> dict:
+        """Load every bucket of the pipe into the engine, which stamps `version` at the end. If the
+        engine fails, the rest of the stream is still read (and dropped), so the trainer finishes."""
+        pipe = self.pipes[pipe] if isinstance(pipe, str) else pipe
+        stats, ended = {"sync/wait_s": 0.0}, False
 
-    def push(self, payload: Any, group: str | None = None) -> None:
-        """`payload`: a bucket's metadata (its tensors come by broadcast) or its wire form."""
-        self._load.push(self.groups[group].receive(payload) if group is not None else from_wire(payload))
+        def tensors():
+            nonlocal ended
+            while True:
+                t0 = time.perf_counter()
+                ended, bucket = True, pipe.read()  # a failed read ends the stream too
+                stats["sync/wait_s"] += time.perf_counter() - t0
+                if isinstance(bucket, Aborted):
+                    raise bucket.error()
+                if bucket is None:
+                    return
+                ended = False
+                yield from bucket
 
-    def close(self) -> dict:
-        load, self._load = self._load, None
-        return load.close()
+        def drop_the_rest() -> bool:
+            if ended:
+                return False
+            with suppress(Exception):
+                for _ in tensors():
+                    pass
+            return True
 
-    def abort(self) -> None:
-        load, self._load = self._load, None
-        if load is not None:
-            load.abort()
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():  # the engine loads in this thread's grad mode otherwise
+                self.engines[engine_key].load_weights(tensors(), version)
+        except Exception:
+            drop_the_rest()
+            raise
+        if drop_the_rest():
+            raise RuntimeError("the rollout engine stopped reading weights before the stream ended")
+        stats["sync/load_s"] = time.perf_counter() - t0 - stats["sync/wait_s"]
+        return stats
 
 
 def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:

@@ -1,19 +1,20 @@
-"""The driver's half: which path a sync takes, and the bucket stream between separate meshes.
+"""The driver's half: which path a sync takes, and the pipe between separate meshes.
 
-Separate meshes, bucket by bucket: the trainer's rank 0 streams its buckets (a Ray streaming
-generator, at most `AHEAD` buckets ahead of the driver) and the driver forwards each one to every
-rollout rank, which loads it into the engine already running one streaming load. The driver waits
-for bucket k to be taken before forwarding k+1, so export and load overlap and at most a few
-buckets are in flight, whatever the model size.
+Separate meshes: the driver starts every rank's part of a sync at once (the keeper sends, the
+other trainer ranks walk the export's collectives, every rollout rank receives) and waits for all
+of them; the buckets flow rank to rank through the pipe, never through the driver. If one part
+fails, the driver closes the pipe so no other part waits for it forever.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from contextlib import suppress
 from typing import Any
 
 TRANSPORTS = ("object_store", "collective")
-AHEAD = 2  # buckets the trainer may export before the driver has forwarded them
+_NAMES = itertools.count()  # pipes are named on the ranks; unique across WeightSync instances
 
 
 class WeightSync:
@@ -21,12 +22,13 @@ class WeightSync:
 
     def __init__(self, runtime: Any):
         self.rt = runtime
-        self._groups: dict[tuple, tuple[str, list]] = {}  # member worker ids -> (group name, members)
+        self._pipes: dict[tuple, tuple[str, Any, list]] = {}  # (transport, bucket size, member ids) -> pipe
 
     def __call__(self, src_node: str, dst_node: str, version: int, transport: str | None = None) -> dict:
         """Returns timing metrics. `transport` (separate meshes only): "collective" broadcasts over a
-        process group (NCCL on GPUs, gloo on CPU), "object_store" goes through Ray's object store;
-        the default is collective on GPUs under Ray and the object store otherwise."""
+        process group (NCCL on GPUs, gloo on CPU), "object_store" goes through shared memory in Ray's
+        object store (rollout ranks on the machine of the trainer's rank 0); the default is the object
+        store on one CPU machine, and collective otherwise."""
         t0 = time.perf_counter()
         src, dst = self.rt.roles[src_node], self.rt.roles[dst_node]
         src_workers = {id(w) for w, _ in src}
@@ -35,60 +37,74 @@ class WeightSync:
             calls = [backend.call(w, "sync_handoff", src[0][1].engine_key, r.engine_key, version) for w, r in dst]
             metrics = dict(backend.get(calls)[0])
         else:
-            device = self.rt.pipe.cluster.device
-            multi_process = self.rt.backend.name == "ray"
-            transport = transport or ("collective" if device == "cuda" and multi_process else "object_store")
+            cluster = self.rt.pipe.cluster
+            processes = self.rt.backend.name == "ray"
+            transport = transport or ("collective" if processes and (cluster.device == "cuda" or cluster.nodes > 1)
+                                      else "object_store")
             if transport not in TRANSPORTS:
                 raise ValueError(f"unknown weight-sync transport {transport!r}; expected one of {TRANSPORTS}")
-            group = self._group(src_node, dst_node, device) if transport == "collective" else None
-            metrics = self._stream(src, dst, version, group)
+            if transport == "collective" and self.rt.backend.name != "ray":
+                raise ValueError("weight sync over a process group needs runtime.backend=ray (one process per rank)")
+            metrics = self._stream(src_node, dst_node, version, transport)
         metrics["timing_s/sync_weights"] = time.perf_counter() - t0
         return metrics
 
-    def _stream(self, src: list, dst: list, version: int, group: str | None) -> dict:
+    def _stream(self, src_node: str, dst_node: str, version: int, transport: str) -> dict:
         backend = self.rt.backend
+        src, dst = self.rt.roles[src_node], self.rt.roles[dst_node]
         bucket_bytes = int(self.rt.pipe.runtime.weight_sync_bucket_mb * 2**20)
         (keeper, role), walkers = src[0], src[1:]
-        backend.get([backend.call(w, "weight_sync", "open", r.engine_key, version) for w, r in dst])
-        walks = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
-        payloads = backend.stream(keeper, "weight_stream", role.engine_key, bucket_bytes, group, ahead=AHEAD)
-        taken: list = []
+        calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
+        if backend.name == "local":  # one process, one rank each: the rollout reads the trainer's export
+            pipe = closer = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes))
+            stats = pipe.buckets.stats
+        else:
+            pipe, closer = self._pipe(src_node, dst_node, transport, bucket_bytes)
+            calls.append(backend.call(keeper, "weight_sync", "send", role.engine_key, bucket_bytes, pipe))
+        loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe) for w, r in dst]
         try:
-            for payload in payloads:
-                backend.get(taken)
-                taken = [backend.call(w, "weight_sync", "push", payload, group) for w, _ in dst]
-            backend.get(taken)
+            results = self._all(calls + loads)
         except Exception:
-            if group is None:  # let the trainer ranks finish their collective walk, so the trainer stays usable
-                _quietly(lambda: [None for _ in payloads])
-            _quietly(lambda: backend.get([backend.call(w, "weight_sync", "abort") for w, _ in dst]))
+            if closer is not None:  # wake the parts still blocked on the pipe; the next sync makes a new one
+                with suppress(Exception):
+                    closer.close()
+                self._pipes = {k: v for k, v in self._pipes.items() if v[0] != pipe}
             raise
-        stats = dict(backend.get(backend.call(keeper, "weight_sync", "stats")))
-        loads = backend.get([backend.call(w, "weight_sync", "close") for w, _ in dst])
-        backend.get(walks)
+        if backend.name != "local":
+            stats = results[len(walkers)]
+        stats = dict(stats)
         for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
-            stats[key] = max(load[key] for load in loads)
+            stats[key] = max(load[key] for load in results[-len(dst):])
         return stats
 
-    def _group(self, src_node: str, dst_node: str, device: str) -> str:
-        """The sender (trainer rank 0) and every rollout rank in one process group, built once."""
-        if self.rt.backend.name != "ray":
-            raise ValueError("weight sync over a process group needs runtime.backend=ray (one process per rank)")
+    def _all(self, calls: list) -> list:
+        """Every call's result, raising the first failure as soon as it happens (not after the calls
+        blocked behind it)."""
+        backend, pending = self.rt.backend, list(calls)
+        while pending:
+            for ready in backend.wait(pending):
+                backend.get(ready)
+                pending.remove(ready)
+        return backend.get(calls)
+
+    def _pipe(self, src_node: str, dst_node: str, transport: str, bucket_bytes: int) -> tuple[str, Any]:
+        """The pipe's name on the ranks, and what closes it from here (None for a process group),
+        made once per pair: a shared-memory channel, or a process group of the sender (the
+        trainer's rank 0) and every rollout rank."""
+        backend = self.rt.backend
         members = [self.rt.roles[src_node][0][0]] + [w for w, _ in self.rt.roles[dst_node]]
-        key = tuple(id(w) for w in members)  # a restarted worker group gives new workers: a new group
-        if key not in self._groups:
-            backend = self.rt.backend
-            name = f"{src_node}->{dst_node}/{len(self._groups)}"
-            address, port = backend.get(backend.call(members[0], "address"))
-            backend.get([backend.call(w, "weight_sync", "join", name, address, port, rank, len(members), device)
-                         for rank, w in enumerate(members)])
-            self._groups[key] = (name, members)  # members kept alive, so their ids stay theirs
-        return self._groups[key][0]
-
-
-def _quietly(clean_up) -> None:
-    """Clean-up after a failed sync: the original error is the one to report."""
-    try:
-        clean_up()
-    except Exception:  # noqa: BLE001
-        pass
+        key = (transport, bucket_bytes, *(id(w) for w in members))  # new workers after a restart: a new pipe
+        if key not in self._pipes:
+            name = f"{src_node}->{dst_node}/{next(_NAMES)}"
+            if transport == "collective":
+                closer = None
+                address, port = backend.get(backend.call(members[0], "address"))
+                backend.get([backend.call(w, "weight_sync", "join", name, address, port, rank, len(members),
+                                          self.rt.pipe.cluster.device) for rank, w in enumerate(members)])
+            else:
+                nodes = backend.get([backend.call(w, "weight_sync", "node") for w in members[1:]])
+                closer = backend.get(backend.call(members[0], "weight_sync", "open_channel", name,
+                                                  list(zip(members[1:], nodes)), bucket_bytes))
+                backend.get([backend.call(w, "weight_sync", "attach", name, closer) for w in members[1:]])
+            self._pipes[key] = (name, closer, members)  # members kept alive, so their ids stay theirs
+        return self._pipes[key][:2]

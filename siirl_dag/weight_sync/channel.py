@@ -1,0 +1,75 @@
+"""Separate meshes on CPU: buckets through a ring of shared-memory buffers in Ray's object store.
+
+A fresh object per bucket (`ray.put`) lands on pages the writer has never touched: on a VM each
+put of 32 MiB paid ~8,000 page faults, 10x the copy itself. A Ray shared-memory channel (the
+mutable objects behind Ray's compiled graphs) is allocated once per trainer -> rollout pair and
+written over at every sync, so after the first sync a bucket costs one warm copy in (the trainer's
+rank 0) and none out (every rollout rank reads the buffer in place and copies it into the engine).
+
+`SLOTS` buffers make a ring: the trainer fills one while the rollout loads the other; a write
+waits until every reader has released that buffer. Ray releases a reader's buffer only once no
+Python object references it, and vLLM's nested weight generators keep the last tensor of each
+group alive long after loading it, which would stall the ring for good. So a reader holds the
+current bucket's buffer itself (until its next read) and hands the engine views that do not own it
+(`_view`): a view is valid while its bucket is the current one, and vLLM's loaders copy each
+tensor into its parameter as it arrives. A bucket larger than a
+buffer (a tensor bigger than weight_sync_bucket_mb) makes Ray grow the buffer once.
+Ray's channels reach readers on the writer's machine only; other clusters sync over a process
+group (`collective`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from siirl_dag.weight_sync.buckets import from_wire, nbytes, to_wire
+
+SLOTS = 2
+HEADER_BYTES = 2**20  # room for a bucket's names, shapes and dtypes beside its data
+
+
+class ChannelPipe:
+    """One direction, one writer (the trainer's rank 0), one or more readers (the rollout ranks).
+    Made by the writer (`create`); each reader keeps the copy it is given once, since the ring's
+    position is per process."""
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+        self._current: Any = None  # the bucket being loaded: its buffer stays the reader's until the next read
+
+    @classmethod
+    def create(cls, readers: list[tuple[Any, str]], bucket_bytes: int) -> "ChannelPipe":
+        """On the writer's process: `readers` are (actor handle, node id) pairs."""
+        import ray
+        from ray.experimental.channel.shared_memory_channel import BufferedSharedMemoryChannel
+
+        here = ray.get_runtime_context()
+        if any(node != here.get_node_id() for _, node in readers):
+            raise ValueError("the object_store weight-sync transport reaches rollout ranks on the machine of the "
+                             "trainer's rank 0 only; use the collective transport across machines")
+        return cls(BufferedSharedMemoryChannel(here.current_actor, readers, SLOTS, bucket_bytes + HEADER_BYTES))
+
+    def write(self, payload: Any) -> None:
+        """A bucket ((name, tensor) pairs; one copy into shared memory), or an end/abort marker."""
+        self.channel.write(to_wire(payload) if isinstance(payload, list) else payload)
+
+    def read(self) -> Any:
+        """The next bucket as tensors viewing the shared buffer (valid until this slot is read again),
+        or the marker the writer sent."""
+        self._current = None
+        self._current = payload = self.channel.read()
+        return [(name, _view(t)) for name, t in from_wire(payload)] if isinstance(payload, dict) else payload
+
+    def close(self) -> None:
+        """Wake a writer or reader blocked on the channel with an error (a sync failed elsewhere)."""
+        self.channel.close()
+
+
+def _view(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory, without a reference to the buffer that holds it (see the module doc)."""
+    if t.numel() == 0 or not t.is_contiguous():
+        return t.clone()
+    return torch.frombuffer((ctypes.c_byte * nbytes(t)).from_address(t.data_ptr()), dtype=t.dtype).view(t.shape)

@@ -12,7 +12,9 @@ Python object references it, and vLLM's nested weight generators keep the last t
 group alive long after loading it, which would stall the ring for good. So a reader holds the
 current bucket's buffer itself (until its next read) and hands the engine views that do not own it
 (`_view`): a view is valid while its bucket is the current one, and vLLM's loaders copy each
-tensor into its parameter as it arrives. A bucket larger than a
+tensor into its parameter as it arrives. A blocking read spins a core while it waits (a writer's
+wait does not); on a few cores that core is the one the trainer's gather needs, so a reader polls
+instead, every `POLL_S`. A bucket larger than a
 buffer (a tensor bigger than weight_sync_bucket_mb) makes Ray grow the buffer once.
 Ray's channels reach readers on the writer's machine only; other clusters sync over a process
 group (`collective`).
@@ -21,6 +23,7 @@ group (`collective`).
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ import torch
 from siirl_dag.weight_sync.buckets import from_wire, nbytes, to_wire
 
 SLOTS = 2
+POLL_S = 0.001
 HEADER_BYTES = 2**20  # room for a bucket's names, shapes and dtypes beside its data
 
 
@@ -59,8 +63,15 @@ class ChannelPipe:
     def read(self) -> Any:
         """The next bucket as tensors viewing the shared buffer (valid until this slot is read again),
         or the marker the writer sent."""
+        from ray.exceptions import RayChannelTimeoutError
+
         self._current = None
-        self._current = payload = self.channel.read()
+        while True:
+            try:
+                self._current = payload = self.channel.read(timeout=0)
+                break
+            except RayChannelTimeoutError:
+                time.sleep(POLL_S)
         return [(name, _view(t)) for name, t in from_wire(payload)] if isinstance(payload, dict) else payload
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ class SyncGroup:
             self.device = torch.device("cpu")
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self.rank = rank
+        self._receiver: ThreadPoolExecutor | None = None
+        self._next: Future | None = None  # the payload being received ahead
         # NCCL builds its communicator at the first collective, which blocks until every member
         # calls it: do it now, while every member is joining anyway.
         self._broadcast(torch.zeros(1, device=self.device))
@@ -54,6 +57,19 @@ class SyncGroup:
             self._synchronize()
 
     def read(self) -> Any:
+        """The next payload. The bucket after it is already being received (a thread of its own) while
+        the caller loads this one: a broadcast completes only once every member takes part, so
+        receiving only after loading would stall the sender for every load."""
+        if self._next is None:
+            self._receiver = self._receiver or ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-receive")
+            self._next = self._receiver.submit(self._receive)
+        receiving, self._next = self._next, None
+        payload = receiving.result()
+        if isinstance(payload, list):
+            self._next = self._receiver.submit(self._receive)
+        return payload
+
+    def _receive(self) -> Any:
         header = self._header()
         if not isinstance(header, list):
             return header

@@ -12,12 +12,13 @@ Python object references it, and vLLM's nested weight generators keep the last t
 group alive long after loading it, which would stall the ring for good. So a reader holds the
 current bucket's buffer itself (until its next read) and hands the engine views that do not own it
 (`_view`): a view is valid while its bucket is the current one, and vLLM's loaders copy each
-tensor into its parameter as it arrives. A blocking read spins a core while it waits (a writer's
-wait does not); on a few cores that core is the one the trainer's gather needs, so a reader polls
-instead, every `POLL_S`. A bucket larger than a
-buffer (a tensor bigger than weight_sync_bucket_mb) makes Ray grow the buffer once.
-Ray's channels reach readers on the writer's machine only; other clusters sync over a process
-group (`collective`).
+tensor into its parameter as it arrives.
+
+A blocking read spins a core while it waits (a writer's wait does not); on a few cores that core
+is the one the trainer's gather needs, so a reader polls instead, every `POLL_S`. A bucket larger
+than a buffer (a tensor bigger than weight_sync_bucket_mb) makes Ray grow the buffer once. Ray's
+channels reach readers on the writer's machine only; other clusters sync over a process group
+(`collective`).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class ChannelPipe:
         self.channel.write(to_wire(payload) if isinstance(payload, list) else payload)
 
     def read(self) -> Any:
-        """The next bucket as tensors viewing the shared buffer (valid until this slot is read again),
-        or the marker the writer sent."""
+        """The next bucket as tensors viewing the shared buffer (valid until the next read), or the
+        marker the writer sent."""
         from ray.exceptions import RayChannelTimeoutError
 
         self._current = None

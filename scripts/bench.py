@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,13 @@ def demo(path: str, steps: int) -> dict:
             "tokens_per_s": med("perf/throughput") * pipe.cluster.total, "score_mean": med("critic/score/mean")}
 
 
+def _report(stdout: str) -> dict:
+    """The JSON report in a script's output; Ray forwards its workers' log lines to the same stream,
+    before and after it (and they hold braces too), so the report is the object that opens a line."""
+    start = re.search(r"^\{", stdout, re.M)
+    return json.JSONDecoder().raw_decode(stdout[start.start():])[0] if start else {"error": "no JSON report"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -61,8 +69,7 @@ def main() -> None:
         for name, (script, *extra) in OTHERS.items():
             res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--json", *extra], capture_output=True,
                                  text=True, cwd=ROOT)
-            out = res.stdout[res.stdout.find("{"):] if "{" in res.stdout else ""
-            report[name] = json.loads(out) if res.returncode == 0 and out else {"error": res.stderr[-500:]}
+            report[name] = _report(res.stdout) if res.returncode == 0 else {"error": res.stderr[-500:]}
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -188,9 +188,10 @@ class ExportingEngine:
 
 # --- rank to rank through a Ray shared-memory channel ---------------------------------------------
 
-def channel_sync(trainer_engine, rollout_engine, syncs: int = 1):
-    """The keeper's `send` and a rollout rank's `receive` in two Ray actors, over one channel made
-    once and used `syncs` times; returns each side's result (or exception) per sync and the engines."""
+def channel_sync(trainer_engine, *rollout_engines, syncs: int = 1):
+    """The keeper's `send` and each rollout rank's `receive` in Ray actors of their own, over one
+    channel made once and used `syncs` times; returns every part's result (or exception) per sync,
+    the keeper first, and the engines."""
     import ray
 
     from siirl_dag.weight_sync import RankSync
@@ -206,12 +207,13 @@ def channel_sync(trainer_engine, rollout_engine, syncs: int = 1):
         def engine(self):
             return self.sync.engines["e"]
 
-    keeper, reader = Rank.remote(trainer_engine), Rank.remote(rollout_engine)
-    node = ray.get(reader.op.remote("node"))
-    ray.get(reader.op.remote("attach", "p", ray.get(keeper.op.remote("open_channel", "p", [(reader, node)], 2048))))
+    keeper, readers = Rank.remote(trainer_engine), [Rank.remote(e) for e in rollout_engines]
+    nodes = ray.get([r.op.remote("node") for r in readers])
+    pipe = ray.get(keeper.op.remote("open_channel", "p", list(zip(readers, nodes)), 2048))
+    ray.get([r.op.remote("attach", "p", pipe) for r in readers])
     results = []
     for version in range(1, syncs + 1):
-        calls = [keeper.op.remote("send", "e", 2048, "p"), reader.op.remote("receive", "e", version, "p")]
+        calls = [keeper.op.remote("send", "e", 2048, "p")] + [r.op.remote("receive", "e", version, "p") for r in readers]
         out = []
         for call in calls:
             try:
@@ -219,7 +221,7 @@ def channel_sync(trainer_engine, rollout_engine, syncs: int = 1):
             except ray.exceptions.RayTaskError as error:
                 out.append(error)
         results.append(out)
-    return results, ray.get(keeper.engine.remote()), ray.get(reader.engine.remote())
+    return results, ray.get(keeper.engine.remote()), *ray.get([r.engine.remote() for r in readers])
 
 
 def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_references():
@@ -228,6 +230,13 @@ def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_re
         assert sent["sync/buckets"] == 5 and sent["sync/bytes"] == 9 * 1024 and received["sync/load_s"] > 0
     assert rollout.loaded == [f"w{i}" for i in range(9)] * 3 and rollout.version == 3
     assert rollout.values == [float(i) for i in range(9)] * 3, "each tensor holds its own data when loaded"
+
+
+def test_channel_feeds_every_bucket_to_every_rollout_rank():
+    results, _, *rollouts = channel_sync(ExportingEngine(9), RecordingEngine(), RecordingEngine(retain=True), syncs=2)
+    assert all(not isinstance(part, Exception) for parts in results for part in parts)
+    for rollout in rollouts:
+        assert rollout.values == [float(i) for i in range(9)] * 2 and rollout.version == 2
 
 
 def test_channel_a_failed_load_still_takes_the_whole_stream():

@@ -127,16 +127,13 @@ class RankWorker:
     def weight_sync(self, op: str, *args):
         """One rank's part of a sync between separate meshes (send/export on the trainer's ranks,
         receive on the rollout's, and the pipe's set-up): see weight_sync.rank."""
-        if op == "receive":
-            self._activate(args[0])
-        return getattr(self._rank_sync(), op)(*args)
-
-    def _rank_sync(self):
         from siirl_dag import weight_sync
 
         if self._weight_sync is None:
             self._weight_sync = weight_sync.RankSync(self.engines)
-        return self._weight_sync
+        if op == "receive":
+            self._activate(args[0])
+        return getattr(self._weight_sync, op)(*args)
 
     def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
         """Colocated: wake the rollout engine, load from the trainer in memory, then free the trainer."""

@@ -34,9 +34,6 @@ class InlinePipe:
     def read(self) -> list | None:
         return self.buckets.next()
 
-    def close(self) -> None:
-        pass
-
 
 class RankSync:
     def __init__(self, engines: dict):
@@ -97,19 +94,17 @@ class RankSync:
         engine fails, the rest of the stream is still read (and dropped), so the trainer finishes."""
         pipe = self.pipes[pipe] if isinstance(pipe, str) else pipe
         stats, ended = {"sync/wait_s": 0.0}, False
+        reads = timed(iter(pipe.read, None), stats, "sync/wait_s")
 
         def tensors():
             nonlocal ended
-            while True:
-                t0 = time.perf_counter()
-                ended, bucket = True, pipe.read()  # a failed read ends the stream too
-                stats["sync/wait_s"] += time.perf_counter() - t0
+            ended = True  # until a bucket is under way: a failed read ends the stream too
+            for bucket in reads:
                 if isinstance(bucket, Aborted):
                     raise bucket.error()
-                if bucket is None:
-                    return
                 ended = False
                 yield from bucket
+                ended = True
 
         def drop_the_rest() -> bool:
             if ended:

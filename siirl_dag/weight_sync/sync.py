@@ -55,9 +55,9 @@ class WeightSync:
         bucket_bytes = int(self.rt.pipe.runtime.weight_sync_bucket_mb * 2**20)
         (keeper, role), walkers = src[0], src[1:]
         calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
-        if backend.name == "local":  # one process, one rank each: the rollout reads the trainer's export
-            pipe = closer = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes))
-            stats = pipe.buckets.stats
+        local = backend.name == "local"
+        if local:  # one process, one rank each: the rollout reads the trainer's export
+            pipe, closer = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes)), None
         else:
             pipe, closer = self._pipe(src_node, dst_node, transport, bucket_bytes)
             calls.append(backend.call(keeper, "weight_sync", "send", role.engine_key, bucket_bytes, pipe))
@@ -70,9 +70,7 @@ class WeightSync:
                     closer.close()
                 self._pipes = {k: v for k, v in self._pipes.items() if v[0] != pipe}
             raise
-        if backend.name != "local":
-            stats = results[len(walkers)]
-        stats = dict(stats)
+        stats = dict(pipe.buckets.stats if local else results[len(walkers)])
         for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
             stats[key] = max(load[key] for load in results[-len(dst):])
         return stats

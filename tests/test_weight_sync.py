@@ -157,13 +157,14 @@ class RecordingEngine:
     """Consumes the weights iterator like an engine does; records what arrived (name and value, read
     when it arrived). `retain` keeps every tensor, as vLLM's nested weight generators keep some."""
 
-    def __init__(self, fail_at: str | None = None, retain: bool = False):
+    def __init__(self, fail_at: str | None = None, retain: bool = False, fail_once: bool = False):
         self.loaded, self.values, self.version, self.fail_at, self.retain = [], [], 0, fail_at, retain
-        self.kept = []
+        self.kept, self.fail_once = [], fail_once
 
     def load_weights(self, named, version):
         for name, t in named:
             if name == self.fail_at:
+                self.fail_at = None if self.fail_once else name
                 raise KeyError(f"no parameter {name}")
             self.loaded.append(name)
             self.values.append(float(t[0]))
@@ -252,21 +253,57 @@ def test_channel_a_failed_export_fails_the_load_and_keeps_the_old_version():
     assert rollout.version == 0 and rollout.loaded == [f"w{i}" for i in range(6)]  # w6 was in the failed bucket
 
 
-# --- the driver's stream protocol, in process, with recording engines ---------------------------
+# --- the driver's stream protocol, with recording engines -----------------------------------------
 
-def stream_sync(trainer_engine, rollout_engine):
+def sync_runtime(backend, trainer, rollout):
+    """What WeightSync reads of a Runtime: one trainer rank (engine "t") and one rollout rank ("r")."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(backend=backend, roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
+                                                   "rollout": [(rollout, SimpleNamespace(engine_key="r"))]},
+                           pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024, address=None),
+                                                cluster=SimpleNamespace(device="cpu", nodes=1)))
+
+
+def stream_sync(trainer_engine, rollout_engine):
+    """One sync in process (runtime.backend=local)."""
     from siirl_dag.runtime.backends import LocalBackend
     from siirl_dag.runtime.worker import RankWorker
 
     trainer, rollout = RankWorker("train", 0, 1), RankWorker("gen", 0, 1)
     trainer.engines["t"], rollout.engines["r"] = trainer_engine, rollout_engine
-    rt = SimpleNamespace(backend=LocalBackend(None), roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
-                                                            "rollout": [(rollout, SimpleNamespace(engine_key="r"))]},
-                         pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024),
-                                              cluster=SimpleNamespace(device="cpu", nodes=1)))
-    return WeightSync(rt)("update", "rollout", 7)
+    return WeightSync(sync_runtime(LocalBackend(None), trainer, rollout))("update", "rollout", 7)
+
+
+def _install(worker, key, engine):
+    worker.engines[key] = engine
+
+
+def _pipes(worker):
+    return sorted(worker._weight_sync.pipes) if worker._weight_sync else []
+
+
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_a_failed_sync_retires_its_pipe_on_every_rank_and_the_next_sync_makes_a_new_one(transport):
+    import ray
+
+    from siirl_dag.runtime.backends import RayBackend
+    from siirl_dag.runtime.worker import RankWorker
+
+    trainer, rollout = (ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1) for group in ("train", "gen"))
+    ray.get([trainer.__ray_call__.remote(_install, "t", ExportingEngine(6)),
+             rollout.__ray_call__.remote(_install, "r", RecordingEngine(fail_at="w3", fail_once=True))])
+    rt = sync_runtime(RayBackend(sync_runtime(None, None, None).pipe), trainer, rollout)
+    sync = WeightSync(rt)
+    with pytest.raises(KeyError, match="no parameter w3"):
+        sync("update", "rollout", 1, transport=transport)
+    assert ray.get([w.__ray_call__.remote(_pipes) for w in (trainer, rollout)]) == [[], []]
+    metrics = sync("update", "rollout", 2, transport=transport)
+    assert metrics["sync/buckets"] == 3
+    engine = ray.get(rollout.__ray_call__.remote(lambda w: w.engines["r"]))
+    assert engine.version == 2 and engine.loaded == ["w0", "w1", "w2"] + [f"w{i}" for i in range(6)]
+    pipes = ray.get([w.__ray_call__.remote(_pipes) for w in (trainer, rollout)])
+    assert pipes[0] == pipes[1] and len(pipes[0]) == 1
 
 
 def test_stream_delivers_every_bucket_in_order_and_stamps_the_version():

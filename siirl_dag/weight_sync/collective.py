@@ -69,6 +69,12 @@ class SyncGroup:
             self._next = self._receiver.submit(self._receive)
         return payload
 
+    def close(self) -> None:
+        """Tear the group down, waking a receive blocked on it (the sync it served failed)."""
+        self.pg.abort()
+        if self._receiver is not None:
+            self._receiver.shutdown(wait=False, cancel_futures=True)
+
     def _receive(self) -> Any:
         header = self._header()
         if not isinstance(header, list):

@@ -53,6 +53,13 @@ class RankSync:
     def attach(self, name: str, pipe: ChannelPipe) -> None:
         self.pipes[name] = pipe
 
+    def forget(self, name: str) -> None:
+        """The pipe failed a sync: free this end (a channel's buffers, a group's sockets and thread)."""
+        pipe = self.pipes.pop(name, None)
+        if pipe is not None:
+            with suppress(Exception):  # a channel the driver closed already
+                pipe.close()
+
     def node(self) -> str:
         import ray
 

@@ -3,7 +3,7 @@
 Separate meshes: the driver starts every rank's part of a sync at once (the keeper sends, the
 other trainer ranks walk the export's collectives, every rollout rank receives) and waits for all
 of them; the buckets flow rank to rank through the pipe, never through the driver. If one part
-fails, the driver closes the pipe so no other part waits for it forever.
+fails, the driver closes the pipe so no other part waits for it forever, and the ranks let it go.
 """
 
 from __future__ import annotations
@@ -65,10 +65,8 @@ class WeightSync:
         try:
             results = self._all(calls + loads)
         except Exception:
-            if closer is not None:  # wake the parts still blocked on the pipe; the next sync makes a new one
-                with suppress(Exception):
-                    closer.close()
-                self._pipes = {k: v for k, v in self._pipes.items() if v[0] != pipe}
+            if not local:
+                self._discard(pipe, closer)
             raise
         stats = dict(pipe.buckets.stats if local else results[len(walkers)])
         for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
@@ -84,6 +82,19 @@ class WeightSync:
                 backend.get(ready)
                 pending.remove(ready)
         return backend.get(calls)
+
+    def _discard(self, name: str, closer: Any) -> None:
+        """A pipe that failed a sync is never used again (a part may have stopped half-way through
+        a bucket): closing a channel wakes the parts still blocked on it, each rank lets its end go
+        once done with what it runs now (not awaited: a rank may be dead), and the next sync makes
+        a new pipe."""
+        key = next(k for k, (n, _, _) in self._pipes.items() if n == name)
+        members = self._pipes.pop(key)[2]
+        if closer is not None:
+            with suppress(Exception):
+                closer.close()
+        for worker in members:
+            self.rt.backend.call(worker, "weight_sync", "forget", name)
 
     def _pipe(self, src_node: str, dst_node: str, transport: str, bucket_bytes: int) -> tuple[str, Any]:
         """The pipe's name on the ranks, and what closes it from here (None for a process group),

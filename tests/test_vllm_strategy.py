@@ -203,6 +203,18 @@ def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine,
     with pytest.raises(ValueError, match="older than"):
         vllm_engine.load_weights(original.items(), version=v0)
 
+    def failing_half_way():
+        yield from list(perturbed.items())[:3]
+        raise ConnectionError("the trainer went away")
+
+    with pytest.raises(ConnectionError):
+        vllm_engine.load_weights(failing_half_way(), version=v0 + 3)
+    assert vllm_engine.weights_version == v0 + 2
+    with pytest.raises(RuntimeError, match="a weight load that failed part-way"):
+        vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)  # never from half-updated weights
+    vllm_engine.load_weights(original.items(), version=v0 + 3)
+    assert torch.equal(vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)["responses"], before["responses"])
+
 
 def test_offload_onload_keep_the_engine_usable(vllm_engine):
     before = vllm_engine.generate(PROMPTS[:1], {"greedy": True}, P, R)

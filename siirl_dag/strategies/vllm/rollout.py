@@ -152,8 +152,9 @@ class VllmRollout(Strategy):
         from vllm.inputs import TokensPrompt
 
         if self._needs_weights:
-            raise RuntimeError("the engine holds no weights (load_format 'dummy', or offload() with "
-                               "sleep_level 2): call load_weights before generate")
+            raise RuntimeError("the engine holds no complete weights (load_format 'dummy', offload() with "
+                               "sleep_level 2, or a weight load that failed part-way): call load_weights "
+                               "before generate")
         kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
         use_chat = self.options["chat_template"] if chat_template is None else chat_template
         prompt_ids = [self._tokenize(p, use_chat) for p in prompts]
@@ -195,7 +196,11 @@ class VllmRollout(Strategy):
         if version < self.weights_version:
             raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
         start = time.perf_counter()
-        self.llm.collective_rpc("siirl_load_weights", args=(iter(named_tensors),))
+        try:
+            self.llm.collective_rpc("siirl_load_weights", args=(iter(named_tensors),))
+        except BaseException:
+            self._needs_weights = True  # some tensors may be new and the rest old: never generate from that
+            raise
         self.llm.reset_prefix_cache()
         self.weights_version, self._needs_weights = version, False
         return time.perf_counter() - start

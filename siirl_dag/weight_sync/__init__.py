@@ -12,7 +12,8 @@ rollout engine (each shards them for its own TP), stamped with the trainer's ver
   the trainer's rank 0 and the rollout ranks (`collective`: NCCL, or gloo on CPU).
 
 The rollout refuses to generate with weights older than the trainer's version minus
-runtime.staleness (`NodeContext.check_weights_version`).
+runtime.staleness (`NodeContext.check_weights_version`), and after a load that failed part-way at
+all, until a sync succeeds. A pipe that failed a sync is retired on every rank (`sync`).
 """
 
 from siirl_dag.weight_sync.rank import RankSync, handoff

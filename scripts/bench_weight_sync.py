@@ -59,13 +59,16 @@ class Memcpy:
     def __init__(self, nbytes: int):
         self.src = torch.ones(nbytes, dtype=torch.uint8)
         self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # touch both
 
-    def best_s(self, repeats: int = 3) -> float:
+    def best_s(self, repeats: int = 3, before=lambda: None) -> float:
+        """`before` runs ahead of each copy, untimed (two processes meet at a barrier there)."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             best = float("inf")
             for _ in range(repeats):
+                before()
                 t = time.perf_counter()
                 self.dst.copy_(self.src)
                 best = min(best, time.perf_counter() - t)
@@ -75,17 +78,7 @@ class Memcpy:
 
 
 def _copy_in_lockstep(nbytes: int, barrier, results, repeats: int) -> None:
-    torch.set_num_threads(1)
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch both
-    best = float("inf")
-    for _ in range(repeats):
-        barrier.wait()
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    results.put(best)
+    results.put(Memcpy(nbytes).best_s(repeats, before=barrier.wait))
 
 
 def concurrent_memcpy_s(nbytes: int, processes: int = 2, repeats: int = 5) -> float:
@@ -121,7 +114,8 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
         # the first sync pays one-time costs (first object-store use, imports); each later one is
         # preceded by a memcpy of its bytes, so the machine's drift during the run cancels in the ratio
         warmup = sync("actor_update", "rollout", 1, transport=args.transport)
-        memcpy = Memcpy(warmup["sync/bytes"])
+        nbytes = warmup["sync/bytes"]
+        memcpy = Memcpy(nbytes)
         for version in range(2, args.repeats + 1):
             copies.append(memcpy.best_s())
             runs.append(sync("actor_update", "rollout", version, transport=args.transport))
@@ -129,7 +123,6 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     times = [r["timing_s/sync_weights"] for r in runs]
     total, copy = statistics.median(times), statistics.median(copies)
     ratio = statistics.median(t / c for t, c in zip(times, copies))
-    nbytes = warmup["sync/bytes"]
     out = {"layout": layout, "train": args.train, "transport": None if layout == "colocated" else args.transport,
            "bytes": nbytes, "buckets": warmup.get("sync/buckets"), "sync_s": round(total, 4), "sync_min_s": round(min(times), 4),
            "memcpy_s": round(copy, 4), "ratio_to_memcpy": round(ratio, 2), "target_ratio": 3.0,

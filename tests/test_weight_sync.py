@@ -293,7 +293,8 @@ def test_a_failed_sync_retires_its_pipe_on_every_rank_and_the_next_sync_makes_a_
     trainer, rollout = (ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1) for group in ("train", "gen"))
     ray.get([trainer.__ray_call__.remote(_install, "t", ExportingEngine(6)),
              rollout.__ray_call__.remote(_install, "r", RecordingEngine(fail_at="w3", fail_once=True))])
-    rt = sync_runtime(RayBackend(sync_runtime(None, None, None).pipe), trainer, rollout)
+    rt = sync_runtime(None, trainer, rollout)
+    rt.backend = RayBackend(rt.pipe)
     sync = WeightSync(rt)
     with pytest.raises(KeyError, match="no parameter w3"):
         sync("update", "rollout", 1, transport=transport)

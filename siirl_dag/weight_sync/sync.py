@@ -22,7 +22,8 @@ class WeightSync:
 
     def __init__(self, runtime: Any):
         self.rt = runtime
-        self._pipes: dict[tuple, tuple[str, Any, list]] = {}  # (transport, bucket size, member ids) -> pipe
+        # (transport, bucket size, member ids) -> (name, the channel or None for a group, members)
+        self._pipes: dict[tuple, tuple[str, Any, list]] = {}
 
     def __call__(self, src_node: str, dst_node: str, version: int, transport: str | None = None) -> dict:
         """Returns timing metrics. `transport` (separate meshes only): "collective" broadcasts over a
@@ -57,16 +58,16 @@ class WeightSync:
         calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
         local = backend.name == "local"
         if local:  # one process, one rank each: the rollout reads the trainer's export
-            pipe, closer = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes)), None
+            pipe = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes))
         else:
-            pipe, closer = self._pipe(src_node, dst_node, transport, bucket_bytes)
+            pipe = self._pipe(src_node, dst_node, transport, bucket_bytes)
             calls.append(backend.call(keeper, "weight_sync", "send", role.engine_key, bucket_bytes, pipe))
         loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe) for w, r in dst]
         try:
             results = self._all(calls + loads)
         except Exception:
             if not local:
-                self._discard(pipe, closer)
+                self._discard(pipe)
             raise
         stats = dict(pipe.buckets.stats if local else results[len(walkers)])
         for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
@@ -83,23 +84,23 @@ class WeightSync:
                 pending.remove(ready)
         return backend.get(calls)
 
-    def _discard(self, name: str, closer: Any) -> None:
+    def _discard(self, name: str) -> None:
         """A pipe that failed a sync is never used again (a part may have stopped half-way through
         a bucket): closing a channel wakes the parts still blocked on it, each rank lets its end go
         once done with what it runs now (not awaited: a rank may be dead), and the next sync makes
         a new pipe."""
         key = next(k for k, (n, _, _) in self._pipes.items() if n == name)
-        members = self._pipes.pop(key)[2]
+        _, closer, members = self._pipes.pop(key)
         if closer is not None:
             with suppress(Exception):
                 closer.close()
         for worker in members:
             self.rt.backend.call(worker, "weight_sync", "forget", name)
 
-    def _pipe(self, src_node: str, dst_node: str, transport: str, bucket_bytes: int) -> tuple[str, Any]:
-        """The pipe's name on the ranks, and what closes it from here (None for a process group),
-        made once per pair: a shared-memory channel, or a process group of the sender (the
-        trainer's rank 0) and every rollout rank."""
+    def _pipe(self, src_node: str, dst_node: str, transport: str, bucket_bytes: int) -> str:
+        """The pipe's name on the ranks, made once per pair: a shared-memory channel (kept here too,
+        to close it if a sync fails), or a process group of the sender (the trainer's rank 0) and
+        every rollout rank."""
         backend = self.rt.backend
         members = [self.rt.roles[src_node][0][0]] + [w for w, _ in self.rt.roles[dst_node]]
         key = (transport, bucket_bytes, *(id(w) for w in members))  # new workers after a restart: a new pipe
@@ -116,4 +117,4 @@ class WeightSync:
                                                   list(zip(members[1:], nodes)), bucket_bytes))
                 backend.get([backend.call(w, "weight_sync", "attach", name, closer) for w in members[1:]])
             self._pipes[key] = (name, closer, members)  # members kept alive, so their ids stay theirs
-        return self._pipes[key][:2]
+        return self._pipes[key][0]

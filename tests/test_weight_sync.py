@@ -106,6 +106,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         assert metrics["sync/buckets"] > 5, "a small bucket size cuts the model into many buckets"
         assert metrics["sync/bytes"] > 0 and metrics["sync/load_s"] > 0
         rt.synced["rollout"] = 1
+        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))  # the weights `transport` carried
         colocated = rt.sync_weights()  # only the colocated rollout is behind now
         # two consumers: each one's metrics under its own name
         assert colocated["sync/colo_rollout/handoff_s"] > 0 and colocated["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
@@ -116,7 +117,6 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         assert both["timing_s/sync_weights"] >= both["sync/colo_rollout/handoff_s"] + both["sync/rollout/load_s"]
         assert rt.synced == {"rollout": 1, "colo_rollout": 1}
 
-        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))
         assert_same_logprobs(sampled_logprobs(rt, "colo_rollout", "colo_logprob", 8))
 
 

@@ -61,11 +61,15 @@ class RankWorker:
 
     # -- set-up ---------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
-        """This host's address and a free port, for rank 0 to host the process-group rendezvous."""
+        """This host's address and a free port, for rank 0 to host the process-group rendezvous.
+        Ray's node address, reachable from the cluster's other machines (a host name may resolve to
+        a loopback address there); one process without Ray rendezvouses with itself."""
+        import ray
+
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), port
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         import torch.distributed as dist

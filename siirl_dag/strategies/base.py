@@ -22,6 +22,14 @@ class RankContext:
     # parallel sizes of the mesh this rank belongs to (dp, tp, pp, cp, ep, etp, vpp)
     sizes: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def cuda_index(self) -> int:
+        """This rank's GPU among those its process sees: under Ray a rank sees its own GPU only (index 0);
+        in one process (runtime.backend=local) it sees them all."""
+        import torch
+
+        return self.local_device_index % torch.cuda.device_count()
+
 
 class Strategy:
     """Base class. Subclasses: the vLLM rollout engine, the Megatron engine."""

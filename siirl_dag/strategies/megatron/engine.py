@@ -47,8 +47,8 @@ class MegatronEngine(Strategy):
 
         self.opts = options.resolve(self.options)
         self.cuda = ctx.device == "cuda" and torch.cuda.is_available()
-        if self.cuda:  # under Ray each rank may see only its own GPU
-            torch.cuda.set_device(ctx.local_device_index % torch.cuda.device_count())
+        if self.cuda:
+            torch.cuda.set_device(ctx.cuda_index)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.mesh = model_lib.resolve_mesh(ctx.sizes, self.opts, ctx.world_size)
         options.check_device(self.opts, self.mesh.cp, self.cuda, model_lib.use_transformer_engine())

@@ -112,8 +112,9 @@ class VllmRollout(Strategy):
                 raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but the rollout mesh has "
                                    f"{self.ctx.world_size}: the runtime must give each mesh its own group")
             kwargs["distributed_executor_backend"] = "external_launcher"
-            os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(self.ctx.local_device_index),
-                              WORLD_SIZE=str(dist.get_world_size()))
+            # vLLM's GPU worker takes LOCAL_RANK as its device index among the visible ones
+            local = self.ctx.local_device_index if cpu_compat.active() else self.ctx.cuda_index
+            os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(local), WORLD_SIZE=str(dist.get_world_size()))
         elif self.tp > 1:
             raise RuntimeError(f"t={self.tp} needs the runtime's process group over the mesh "
                                "(torch.distributed is not initialized in this process)")

@@ -105,6 +105,38 @@ def test_fused_layouts_follow_megatron_and_invert():
     assert torch.equal(hf_convert.to_hf("vocab", padded, spec)[0], emb)
 
 
+def test_grouped_gemm_experts_bind_like_sequential_ones(monkeypatch):
+    """TEGroupedMLP (moe_grouped_gemm on GPUs) names local expert i `linear_fc1.weight{i}`, SequentialMLP
+    `local_experts.{i}.linear_fc1.weight`: both bind to the same rules and global expert numbers."""
+    def layer(grouped: bool) -> torch.nn.Module:
+        experts = torch.nn.Module()
+        experts.num_local_experts = 2
+        if grouped:
+            for fc in ("linear_fc1", "linear_fc2"):
+                experts.add_module(fc, torch.nn.Module())
+                for i in range(2):
+                    getattr(experts, fc).register_parameter(f"weight{i}", torch.nn.Parameter(torch.zeros(1)))
+        else:
+            experts.local_experts = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+            for expert in experts.local_experts:
+                expert.linear_fc1, expert.linear_fc2 = (torch.nn.Linear(1, 1, bias=False) for _ in range(2))
+        out = torch.nn.Module()
+        out.layer_number, out.mlp = 4, torch.nn.Module()
+        out.mlp.experts = experts
+        return out
+
+    ep_rank_1 = type("PS", (), {"get_expert_model_parallel_rank": staticmethod(lambda: 1)})
+    monkeypatch.setattr(hf_convert, "_ps", lambda: ep_rank_1)
+    bound = {}
+    for grouped in (False, True):
+        chunk = torch.nn.Module()
+        chunk.decoder = torch.nn.Module()
+        chunk.decoder.layers = torch.nn.ModuleList([layer(grouped)])
+        bound[grouped] = sorted((b.rule.mcore, b.layer, b.expert) for b in hf_convert.bind([chunk]))
+    assert bound[True] == bound[False] == sorted(
+        (f"mlp.experts.local_experts.{{e}}.{fc}.weight", 3, e) for fc in ("linear_fc1", "linear_fc2") for e in (2, 3))
+
+
 def test_unsupported_checkpoints_are_config_errors(tmp_path):
     import json
 

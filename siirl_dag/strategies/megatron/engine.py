@@ -51,7 +51,7 @@ class MegatronEngine(Strategy):
             torch.cuda.set_device(ctx.cuda_index)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.mesh = model_lib.resolve_mesh(ctx.sizes, self.opts, ctx.world_size)
-        options.check_device(self.opts, self.mesh.cp, self.cuda, model_lib.use_transformer_engine())
+        options.check_device(self.opts, self.mesh.cp, model_lib.use_transformer_engine())
         if not self.cuda and any(self.opts[k] for k in ("param_offload", "grad_offload", "optimizer_offload")):
             log.warning("megatron: param/grad/optimizer offload are no-ops on CPU devices (already in host memory)")
         if self.opts["deterministic"]:

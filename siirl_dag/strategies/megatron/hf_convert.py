@@ -75,6 +75,8 @@ VALUE_HEAD = Rule("output_layer.weight", ("score.weight",), "copy")
 _VALUE_HEAD_NAMES = ("score.weight", "value_head.weight")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# Grouped-GEMM experts (TEGroupedMLP, moe_grouped_gemm on GPUs) hold local expert i as linear_fcN.weight{i}
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.weight)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -116,15 +118,24 @@ def bind(chunks: list[torch.nn.Module], value_head: bool = False) -> list[Bound]
             if m:
                 layer, name = layer_numbers[int(m.group(1))] - 1, m.group(2)
                 name = _TE_NAMES.get(name, name)
-                e = _EXPERT.match(name)
-                if e:
-                    n_local = len(chunk.decoder.layers[int(m.group(1))].mlp.experts.local_experts)
-                    expert, name = ep_rank * n_local + int(e.group(1)), "mlp.experts.local_experts.{e}." + e.group(2)
+                local = _local_expert(name)
+                if local:
+                    n_local = chunk.decoder.layers[int(m.group(1))].mlp.experts.num_local_experts
+                    expert, name = ep_rank * n_local + local[0], "mlp.experts.local_experts.{e}." + local[1]
             rule = VALUE_HEAD if value_head and name == VALUE_HEAD.mcore else _BY_NAME.get(name)
             if rule is None:
                 raise NotImplementedError(f"no HF mapping for megatron parameter {name!r}")
             out.append(Bound(rule, param, layer, expert))
     return out
+
+
+def _local_expert(name: str) -> tuple[int, str] | None:
+    """A layer-relative expert parameter name -> (local expert index, name within the expert)."""
+    if e := _EXPERT.match(name):
+        return int(e.group(1)), e.group(2)
+    if g := _GROUPED_EXPERT.match(name):
+        return int(g.group(2)), g.group(1)
+    return None
 
 
 def _tp(b: Bound) -> tuple[int, int, Any]:

@@ -56,15 +56,16 @@ def resolve(options: dict[str, Any] | None) -> dict[str, Any]:
     return full
 
 
-def check_device(options: dict[str, Any], cp: int, cuda: bool, te: bool) -> None:
+def check_device(options: dict[str, Any], cp: int, te: bool) -> None:
     """Refuse, with the reason, what needs GPU-only kernels (they are built for GPU runs)."""
     problems = []
     if cp > 1 and not te:
         problems.append(Problem(("options", "context_parallel_size"),
                                 f"context parallelism (c={cp}) needs Transformer Engine attention, which needs "
                                 "CUDA and the transformer_engine package; expected c1 here"))
-    if options["moe_grouped_gemm"] and not cuda:
+    if options["moe_grouped_gemm"] and not te:
         problems.append(Problem(("options", "moe_grouped_gemm"),
-                                "grouped GEMM experts need CUDA kernels; expected false on CPU devices"))
+                                "grouped GEMM experts need Transformer Engine's grouped linear layers, which need "
+                                "CUDA and the transformer_engine package; expected false here"))
     if problems:
         raise ConfigError(problems)

@@ -34,7 +34,9 @@ nodes:
   - {{id: colo_logprob, kind: logprob, deps: [colo_rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
 runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05}}
 """
-ROLLOUT = "{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true}"
+# load_format dummy: random weights until the runtime's start-up sync (which the first assertion checks)
+ROLLOUT = ("{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true, "
+           "load_format: dummy}")
 TRAIN_STEP = ["rollout", "reward", "advantage", "old_logprob", "actor_update"]
 LOGPROB_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 # trainer layout -> (allocation, its world size, MoE model, transport between the separate meshes)
@@ -90,7 +92,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),
                           LOGPROB_INPUTS + ["rollout_logprobs", "old_logprobs"])
-        assert_same_logprobs(step)  # rollout and trainer agree on the initial weights
+        assert_same_logprobs(step)  # rollout and trainer agree on the initial weights (start() synced them)
         assert rt.versions["actor_update"] == 1 and rt.synced == {"rollout": 0, "colo_rollout": 0}
 
         # staleness 0: a rollout still holding version 0 refuses to generate

@@ -25,6 +25,7 @@ from siirl_dag.strategies.base import RankContext
 SOURCE = "__source__"
 COMPUTE = "__compute__"
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
+NOT_SYNCED = -1  # a weights_from consumer's version before it got any weights from its trainer
 
 
 class PipelineError(RuntimeError):
@@ -67,8 +68,9 @@ class Runtime:
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
         self.attempts: dict[str, int] = {}
         # weight versions: updates done by each training node, and the version each consumer holds
+        # (NOT_SYNCED: what the consumer loaded itself, if anything; start() brings it to version 0)
         self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
-        self.synced = {n: 0 for n in self.order if pipeline.nodes[n].weights_from}
+        self.synced = {n: NOT_SYNCED for n in self.order if pipeline.nodes[n].weights_from}
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -99,6 +101,8 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
+        # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
+        self.sync_weights()
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
     def _create_group(self, group: str) -> list:
@@ -306,7 +310,7 @@ class Runtime:
         self._add_roles(new)
         behind = [dst for dst in self.synced if self._group_of(dst) == group]
         for dst in behind:
-            self.synced[dst] = 0
+            self.synced[dst] = NOT_SYNCED
         if behind:
             self.sync_weights()
 

@@ -14,6 +14,7 @@ from siirl_dag.config.yaml_loader import locate
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError
 from siirl_dag.runtime import Batch, Runtime
+from siirl_dag.runtime.driver import NOT_SYNCED
 from siirl_dag.trainer import checkpoint
 from siirl_dag.trainer.logger import MetricsLogger
 
@@ -153,7 +154,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.step = state["step"]
         self.rt.versions.update(state["versions"])
-        self.rt.synced.update({k: 0 for k in state["synced"]})  # engines restart from the HF weights: resync
+        self.rt.synced.update({k: NOT_SYNCED for k in state["synced"]})  # the trainers' weights changed: resync
         self.rt.sync_weights()
         self.progress(f"[trainer] resumed from {path} at step {self.step}")
 

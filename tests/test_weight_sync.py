@@ -322,3 +322,37 @@ def test_a_failed_load_drains_the_trainers_export_and_keeps_the_old_version():
         stream_sync(trainer, engine)
     assert engine.version == 0 and engine.loaded == ["w0", "w1", "w2"]
     assert trainer.walked == 40, "the trainer's export (collective on its ranks) is walked to its end"
+
+
+def test_a_failed_colocated_load_still_walks_the_trainers_export_to_its_end():
+    from siirl_dag.weight_sync.rank import handoff
+
+    trainer, engine = ExportingEngine(40), RecordingEngine(fail_at="w3")
+    with pytest.raises(KeyError, match="no parameter w3"):
+        handoff(trainer, engine, 1)
+    assert trainer.walked == 40, "the other trainer ranks are not left waiting in the export's collectives"
+    assert engine.version == 0
+
+
+def test_a_sync_puts_the_exporting_trainer_on_the_device_first():
+    """A third engine of the rank (a critic that updated after the actor, say) held the device: the
+    trainer's parameters must be back before its export reads them."""
+    from siirl_dag.runtime.worker import RankWorker
+
+    events = []
+
+    def resident(engine, name):
+        engine.onload, engine.offload = (lambda: events.append(f"{name} on")), (lambda: events.append(f"{name} off"))
+        return engine
+
+    worker = RankWorker("train", 0, 1)
+    worker.engines = {"t": resident(ExportingEngine(2), "t"), "r": resident(RecordingEngine(), "r"),
+                      "c": resident(RecordingEngine(), "c")}
+    worker.active = "c"
+    worker.sync_handoff("t", "r", 1)
+    assert events == ["c off", "t on", "r on", "t off"] and worker.active == "r"
+    assert worker.engines["r"].loaded == ["w0", "w1"]
+    events.clear()
+    worker.active = "c"
+    worker.weight_sync("export", "t", 2048)
+    assert events == ["c off", "t on"] and worker.active == "t"

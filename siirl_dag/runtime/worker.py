@@ -135,16 +135,20 @@ class RankWorker:
 
         if self._weight_sync is None:
             self._weight_sync = weight_sync.RankSync(self.engines)
-        if op == "receive":
+        if op in ("send", "export", "receive"):  # args[0]: the engine that exports or loads
             self._activate(args[0])
         return getattr(self._weight_sync, op)(*args)
 
     def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
-        """Colocated: wake the rollout engine, load from the trainer in memory, then free the trainer."""
+        """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives
+        the device up first), load from the trainer in memory, then free the trainer."""
         from siirl_dag import weight_sync
 
-        if self.active != dst_key:
-            self.engines[dst_key].onload()
+        if self.active not in (None, src_key, dst_key):
+            self.engines[self.active].offload()
+        for key in (src_key, dst_key):
+            if key != self.active:
+                self.engines[key].onload()
         stats = weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version)
         self.engines[src_key].offload()
         self.active = dst_key

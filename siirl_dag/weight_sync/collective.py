@@ -49,12 +49,17 @@ class SyncGroup:
         self.pg.broadcast(t, 0).wait()
 
     def write(self, payload: Any) -> None:
-        """A bucket ((name, tensor) pairs), or an end/abort marker, from group rank 0 to every member."""
-        self._header(meta_of(payload) if isinstance(payload, list) else payload)
-        if isinstance(payload, list):
-            for _, t in payload:
-                self._broadcast(t.detach().to(self.device).contiguous())
-            self._synchronize()
+        """A bucket ((name, tensor) pairs), or an end/abort marker, from group rank 0 to every member.
+        A bucket's tensors are on the device before its header goes: once the readers have a header,
+        only the tensors it names may follow (an abort marker in their place would desync the group)."""
+        if not isinstance(payload, list):
+            self._header(payload)
+            return
+        tensors = [t.detach().to(self.device).contiguous() for _, t in payload]
+        self._header(meta_of(payload))
+        for t in tensors:
+            self._broadcast(t)
+        self._synchronize()
 
     def read(self) -> Any:
         """The next payload. The bucket after it is already being received (a thread of its own) while

@@ -143,8 +143,13 @@ def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
             stats["sync/bytes"] += nbytes(t)
             yield name, t
 
-    with torch.no_grad():  # the engine's loader runs in this thread's grad mode otherwise
-        dst_engine.load_weights(counted(timed(src_engine.export_hf_weights(copy=False), stats, "sync/gather_s")),
-                                version)
+    export = src_engine.export_hf_weights(copy=False)
+    try:
+        with torch.no_grad():  # the engine's loader runs in this thread's grad mode otherwise
+            dst_engine.load_weights(counted(timed(export, stats, "sync/gather_s")), version)
+    finally:  # a load that failed here must not leave the other trainer ranks in the export's collectives
+        with suppress(Exception):
+            for _ in export:
+                pass
     total = time.perf_counter() - t0
     return {**stats, "sync/handoff_s": total, "sync/load_s": total - stats["sync/gather_s"]}

@@ -55,12 +55,13 @@ class WeightSync:
         src, dst = self.rt.roles[src_node], self.rt.roles[dst_node]
         bucket_bytes = int(self.rt.pipe.runtime.weight_sync_bucket_mb * 2**20)
         (keeper, role), walkers = src[0], src[1:]
-        calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
         local = backend.name == "local"
+        # the pipe first: if it cannot be made, no trainer rank has entered the export's collectives
+        pipe = None if local else self._pipe(src_node, dst_node, transport, bucket_bytes)
+        calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
         if local:  # one process, one rank each: the rollout reads the trainer's export
             pipe = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes))
         else:
-            pipe = self._pipe(src_node, dst_node, transport, bucket_bytes)
             calls.append(backend.call(keeper, "weight_sync", "send", role.engine_key, bucket_bytes, pipe))
         loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe) for w, r in dst]
         try:

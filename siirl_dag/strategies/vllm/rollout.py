@@ -196,9 +196,11 @@ class VllmRollout(Strategy):
         """
         if version < self.weights_version:
             raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
-        start = time.perf_counter()
+        start, tensors = time.perf_counter(), iter(named_tensors)
         try:
-            self.llm.collective_rpc("siirl_load_weights", args=(iter(named_tensors),))
+            self.llm.collective_rpc("siirl_load_weights", args=(tensors,))
+            if next(tensors, None) is not None:
+                raise RuntimeError("vLLM's weight loader returned before the last tensor")
         except BaseException:
             self._needs_weights = True  # some tensors may be new and the rest old: never generate from that
             raise

@@ -309,6 +309,30 @@ def test_a_failed_sync_retires_its_pipe_on_every_rank_and_the_next_sync_makes_a_
     assert pipes[0] == pipes[1] and len(pipes[0]) == 1
 
 
+def test_a_restarted_rollout_group_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go():
+    import ray
+
+    from siirl_dag.runtime.backends import RayBackend
+    from siirl_dag.runtime.worker import RankWorker
+
+    def worker(group, key, engine):
+        w = ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1)
+        ray.get(w.__ray_call__.remote(_install, key, engine))
+        return w
+
+    trainer, old = worker("train", "t", ExportingEngine(6)), worker("gen", "r", RecordingEngine())
+    rt = sync_runtime(None, trainer, old)
+    rt.backend = RayBackend(rt.pipe)
+    sync = WeightSync(rt)
+    sync("update", "rollout", 1)
+    first = ray.get(trainer.__ray_call__.remote(_pipes))
+    new = worker("gen", "r", RecordingEngine())
+    rt.roles["rollout"] = [(new, rt.roles["rollout"][0][1])]  # what Runtime._restart_group does
+    assert sync("update", "rollout", 2)["sync/buckets"] == 3
+    pipes = ray.get([w.__ray_call__.remote(_pipes) for w in (trainer, new, old)])
+    assert pipes[0] == pipes[1] and len(pipes[0]) == 1 and pipes[0] != first and pipes[2] == []
+
+
 def test_stream_delivers_every_bucket_in_order_and_stamps_the_version():
     engine = RecordingEngine()
     metrics = stream_sync(ExportingEngine(6), engine)

@@ -22,8 +22,9 @@ class WeightSync:
 
     def __init__(self, runtime: Any):
         self.rt = runtime
-        # (transport, bucket size, member ids) -> (name, the channel or None for a group, members)
-        self._pipes: dict[tuple, tuple[str, Any, list]] = {}
+        # (trainer node, rollout node) -> (what it was made for: transport, bucket size, member ids;
+        # its name on the ranks; the channel, or None for a group; its members)
+        self._pipes: dict[tuple[str, str], tuple[tuple, str, Any, list]] = {}
 
     def __call__(self, src_node: str, dst_node: str, version: int, transport: str | None = None) -> dict:
         """Returns timing metrics. `transport` (separate meshes only): "collective" broadcasts over a
@@ -68,7 +69,7 @@ class WeightSync:
             results = self._all(calls + loads)
         except Exception:
             if not local:
-                self._discard(pipe)
+                self._discard((src_node, dst_node))
             raise
         stats = dict(pipe.buckets.stats if local else results[len(walkers)])
         for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
@@ -85,13 +86,12 @@ class WeightSync:
                 pending.remove(ready)
         return backend.get(calls)
 
-    def _discard(self, name: str) -> None:
-        """A pipe that failed a sync is never used again (a part may have stopped half-way through
-        a bucket): closing a channel wakes the parts still blocked on it, each rank lets its end go
-        once done with what it runs now (not awaited: a rank may be dead), and the next sync makes
-        a new pipe."""
-        key = next(k for k, (n, _, _) in self._pipes.items() if n == name)
-        _, closer, members = self._pipes.pop(key)
+    def _discard(self, pair: tuple[str, str]) -> None:
+        """A pipe that failed a sync, or whose members were replaced, is never used again (a part may
+        have stopped half-way through a bucket): closing a channel wakes the parts still blocked on
+        it, each rank lets its end go once done with what it runs now (not awaited: a rank may be
+        dead), and the next sync makes a new pipe."""
+        _, name, closer, members = self._pipes.pop(pair)
         if closer is not None:
             with suppress(Exception):
                 closer.close()
@@ -99,13 +99,15 @@ class WeightSync:
             self.rt.backend.call(worker, "weight_sync", "forget", name)
 
     def _pipe(self, src_node: str, dst_node: str, transport: str, bucket_bytes: int) -> str:
-        """The pipe's name on the ranks, made once per pair: a shared-memory channel (kept here too,
-        to close it if a sync fails), or a process group of the sender (the trainer's rank 0) and
-        every rollout rank."""
-        backend = self.rt.backend
+        """The pipe's name on the ranks, made once per pair (and again for new members after a
+        restart, the old pipe let go): a shared-memory channel (kept here too, to close it if a sync
+        fails), or a process group of the sender (the trainer's rank 0) and every rollout rank."""
+        backend, pair = self.rt.backend, (src_node, dst_node)
         members = [self.rt.roles[src_node][0][0]] + [w for w, _ in self.rt.roles[dst_node]]
-        key = (transport, bucket_bytes, *(id(w) for w in members))  # new workers after a restart: a new pipe
-        if key not in self._pipes:
+        made_for = (transport, bucket_bytes, *(id(w) for w in members))  # new workers after a restart: a new pipe
+        if pair in self._pipes and self._pipes[pair][0] != made_for:
+            self._discard(pair)
+        if pair not in self._pipes:
             name = f"{src_node}->{dst_node}/{next(_NAMES)}"
             if transport == "collective":
                 closer = None
@@ -117,5 +119,5 @@ class WeightSync:
                 closer = backend.get(backend.call(members[0], "weight_sync", "open_channel", name,
                                                   list(zip(members[1:], nodes)), bucket_bytes))
                 backend.get([backend.call(w, "weight_sync", "attach", name, closer) for w in members[1:]])
-            self._pipes[key] = (name, closer, members)  # members kept alive, so their ids stay theirs
-        return self._pipes[key][0]
+            self._pipes[pair] = (made_for, name, closer, members)  # members kept alive, so their ids stay theirs
+        return self._pipes[pair][1]

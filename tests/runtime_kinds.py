@@ -20,6 +20,13 @@ class EchoEngine(Strategy):
         return os.getpid()
 
 
+class BrokenEngine(Strategy):
+    """An engine whose model cannot be built."""
+
+    def __init__(self, ctx, model, options):
+        raise RuntimeError("no such model")
+
+
 @node_kind("t_expand", consumes=("raw_prompt",), produces=("x",), strategies=("megatron",))
 def t_expand(batch, ctx):
     """n rows per prompt; x = 100 * prompt number + sample index."""

@@ -129,6 +129,41 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
     assert not _alive(pids), "every worker process must be gone after shutdown"
 
 
+def _rank_workers() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::RankWorker")}
+
+
+def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setitem(STRATEGIES, "megatron", "runtime_kinds:BrokenEngine")
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d2"}
+        nodes: [{id: gen, kind: t_expand, mesh: a, model: m}]
+        """)
+    before, rt = _rank_workers(), Runtime(pipe, progress=lambda *_: None)  # (held: its actors outlive the with)
+    with pytest.raises(PipelineError, match="(?s)building the engines failed.*no such model"):
+        with rt:
+            pass
+    deadline = time.time() + 10
+    while _rank_workers() - before and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _rank_workers() - before, "the workers of a failed start must be gone"
+
+
+def test_rollouts_get_their_trainers_weights_at_start_and_a_failed_sync_names_the_pair(tmp_path):
+    """The echo engine cannot export weights: the start-up sync fails, as one PipelineError."""
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d1", b: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m, weights_from: update}
+          - {id: update, kind: t_update, deps: [gen], mesh: b, model: m}
+        """)
+    with pytest.raises(PipelineError, match="(?s)weight sync 'update' -> 'gen' \\(version 0\\) failed: .*export_hf_weights"):
+        with Runtime(pipe, progress=lambda *_: None):
+            pass
+
+
 def test_undeclared_output_is_an_error(tmp_path):
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1"}

@@ -74,7 +74,11 @@ class Runtime:
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # a start that failed half-way leaves no workers behind
+            self.shutdown()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -326,7 +330,11 @@ class Runtime:
         for dst, have in self.synced.items():
             src = self.pipe.nodes[dst].weights_from
             if have < self.versions[src]:
-                stats = self.weight_sync(src, dst, self.versions[src])
+                try:
+                    stats = self.weight_sync(src, dst, self.versions[src])
+                except Exception as exc:  # noqa: BLE001 - a rank's error (its traceback) or a bad transport
+                    raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.versions[src]}) failed: "
+                                        f"{exc}") from None
                 total = stats.pop("timing_s/sync_weights")
                 metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + total
                 prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"

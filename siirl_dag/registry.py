@@ -95,28 +95,31 @@ def registered_kinds() -> dict[str, NodeKind]:
 
 
 def resolve_kind(ref: str) -> NodeKind:
-    """A registered name, or `module:function` (annotated with @node_kind or a plain function).
+    """A registered name, or `module:function` for a function decorated with @node_kind.
 
-    Raises LookupError with a message fit for the user.
+    Raises LookupError with a message fit for the user; importing the module runs the user's code,
+    so whatever that raises (SyntaxError, sys.exit, ...) becomes such a message too.
     """
     kinds = registered_kinds()
     if ref in kinds:
         return kinds[ref]
-    if ":" not in ref:
+    module_name, colon, attr = ref.partition(":")
+    if not (colon and module_name and attr):
         raise LookupError(f"unknown node kind '{ref}'; expected one of: {', '.join(sorted(kinds))}, or module:function")
-    module_name, _, attr = ref.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise LookupError(f"cannot import module '{module_name}' of kind '{ref}' ({exc})") from None
-    fn = module
+        fn = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:
+        raise LookupError(f"cannot import module '{module_name}' of kind '{ref}' ({type(exc).__name__}: {exc}); "
+                          "expected an importable module") from None
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
             raise LookupError(f"module '{module_name}' has no '{attr}' (kind '{ref}')")
-    if not callable(fn):
-        raise LookupError(f"'{ref}' is not callable; expected a function taking (batch, ctx)")
-    return getattr(fn, "node_kind", None) or NodeKind(ref, fn)
+    kind = getattr(fn, "node_kind", None)
+    if not isinstance(kind, NodeKind):
+        raise LookupError(f"'{ref}' is not a node kind; expected a function decorated with "
+                          "@siirl_dag.registry.node_kind(consumes=..., produces=...)")
+    return kind
 
 
 def import_ref(ref: str) -> Any:

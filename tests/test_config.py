@@ -12,7 +12,7 @@ import pytest
 
 from siirl_dag.config import load_pipeline
 from siirl_dag.config.roll_compat import parse_device_list
-from siirl_dag.errors import ConfigError
+from siirl_dag.errors import ConfigError, format_path
 
 BASE = textwrap.dedent("""\
     name: t
@@ -327,3 +327,201 @@ def test_a_dtype_megatron_cannot_train_is_refused_at_the_model(tmp_path):
     assert found and all(p.path == ("models", "policy", "dtype") for p in found)
     assert "trains in bfloat16 or float32, not float16" in found[0].message
     assert line_of(BASE, "dtype: float32") == found[0].line
+
+
+@pytest.mark.parametrize("override, path", [
+    ("cluster.devices_per_node=4.0", ("cluster", "devices_per_node")),
+    ("data.train_batch_size=8.0", ("data", "train_batch_size")),
+    ("trainer.total_steps=2.0", ("trainer", "total_steps")),
+    ("runtime.staleness=1.0", ("runtime", "staleness")),
+    ("nodes.rollout.options.n=4.0", ("nodes", 0, "options", "n")),
+    ("nodes.actor_update.params.mini_batch_size=4.0", ("nodes", 4, "params", "mini_batch_size")),
+])
+def test_an_integer_is_a_real_int_not_a_whole_float(tmp_path, override, path):
+    (p,) = problems(tmp_path, BASE, [override])
+    assert p.path == path and p.file == "<command line>"
+    assert p.message.startswith(f"{override.split('=')[1]} is a float; expected integer")
+
+
+@pytest.mark.parametrize("override, path", [
+    ("nodes.rollout.options.temperature=.nan", ("nodes", 0, "options", "temperature")),
+    ("nodes.actor_update.options.lr=.nan", ("nodes", 4, "options", "lr")),
+    ("runtime.weight_sync_bucket_mb=.inf", ("runtime", "weight_sync_bucket_mb")),
+    ("runtime.cpus_per_rank=.nan", ("runtime", "cpus_per_rank")),
+])
+def test_a_number_is_finite(tmp_path, override, path):
+    (p,) = problems(tmp_path, BASE, [override])
+    assert p.path == path and "is not a finite number; expected a finite number" in p.message
+
+
+def test_a_whole_float_or_nan_in_the_file_is_located(tmp_path):
+    text = BASE.replace("devices_per_node: 4", "devices_per_node: 4.0")
+    (p,) = problems(tmp_path, text)
+    assert (p.line, p.message) == (line_of(text, "devices_per_node"), "4.0 is a float; expected integer")
+    assert str(p).startswith(f"{p.file}:{p.line}:{p.col}: cluster.devices_per_node: 4.0 is a float")
+    text = BASE.replace("options: {n: 4}", "options: {n: 4, top_p: .nan}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 0, "options", "top_p") and p.line == line_of(text, "top_p")
+    assert p.message == "nan is not a finite number; expected a finite number"
+
+
+def test_strategies_validate_their_options_as_strictly():
+    from siirl_dag.strategies.megatron.options import resolve
+    from siirl_dag.strategies.vllm.options import resolve_options
+
+    with pytest.raises(ConfigError) as info:
+        resolve_options({"n": 2.0, "temperature": float("nan")})
+    assert {p.path for p in info.value.problems} == {("options", "n"), ("options", "temperature")}
+    with pytest.raises(ConfigError) as info:
+        resolve({"micro_batch_size": 2.0, "lr": float("inf")})
+    assert {p.path for p in info.value.problems} == {("options", "micro_batch_size"), ("options", "lr")}
+
+
+@pytest.mark.parametrize("override, bound", [("cluster.nodes=100000000", "<= 4096"),
+                                             ("cluster.devices_per_node=100000000", "<= 256"),
+                                             ("data.seed=-1", ">= 0")])
+def test_sizes_and_seed_have_bounds(tmp_path, override, bound):
+    (p,) = problems(tmp_path, BASE, [override])
+    key, value = override.split("=")
+    assert format_path(p.path) == key and p.message.startswith(f"{value} is out of range; expected a value >= ")
+    assert bound in p.message
+
+
+def test_an_alias_bomb_is_refused_at_the_alias(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    text = "\n".join(levels) + "\nname: *a8\n"
+    (p,) = problems(tmp_path, text)
+    assert p.message == "alias '*a3' expands the document past 100000 aliased values; expected aliases of small sections"
+    assert p.line == line_of(text, "a4:") and text.splitlines()[p.line - 1][p.col - 1:].startswith("*a3")
+
+
+@pytest.mark.parametrize("text, message, where", [
+    ("a: " + "[" * 5000, "more than 100 levels of nesting; expected a flatter document", (1, 103)),
+    ("a: &x [1, *x]\n", "alias '*x' is inside the node it names (a cycle); expected an alias of a finished node", (1, 11)),
+])
+def test_deep_or_cyclic_yaml_is_one_located_error(tmp_path, text, message, where):
+    (p,) = problems(tmp_path, text)
+    assert (p.message, (p.line, p.col)) == (message, where)
+
+
+@pytest.mark.parametrize("text", ["range(0, 10000000000)", "list(range(0, 10**30))".replace("10**30", "1" + "0" * 30),
+                                  "0-10000000000"])
+def test_device_lists_are_bounded_before_they_are_built(text):
+    with pytest.raises(ValueError, match=r"names more than 1048576 devices, the most a cluster may have; expected"):
+        parse_device_list(text)
+
+
+def model_dir(tmp_path, config: str, *files: str):
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(config)
+    for name in files:
+        (folder / name).write_text("")
+    return folder
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{not json", "config.json is unreadable (Expecting property name"),
+    ("[1, 2]", "config.json holds a list; expected the model's Hugging Face config.json (a JSON object)"),
+    ('{"num_hidden_layers": "x"}', "config.json: num_hidden_layers: 'x' is a string; expected integer"),
+])
+def test_a_corrupt_model_config_is_located_at_the_model(tmp_path, config, message):
+    text = BASE.replace("no/such/model", str(model_dir(tmp_path, config)))
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("models", "policy", "path") and message in p.message and p.line == line_of(text, "policy:")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("{num_hidden_layers: abc}", "'abc' is a string; expected integer"),
+    ("{num_experts: x}", "'x' is a string; expected integer or null"),
+    ("{num_hidden_layers: -2}", "-2 is out of range; expected a value >= 1"),
+    ("{num_hidden_layers: 2.0}", "2.0 is a float; expected integer"),
+    ("{num_hidden_layers: null}", "None is null; expected integer"),
+])
+def test_override_config_values_placement_reads_are_checked(tmp_path, override, message):
+    text = BASE.replace("dtype: float32}", f"dtype: float32,\n             override_config: {override}}}")
+    (p,) = problems(tmp_path, text)
+    assert p.path[:3] == ("models", "policy", "override_config") and p.message == message
+    assert p.line == line_of(text, "override_config")
+
+
+ROLL_NODE = ("model: policy, params: {output: old_logprobs}, device_mapping: 'list(range(3,5))', "
+             "strategy_args: {strategy_name: megatron_infer, strategy_config: {tensor_model_parallel_size: TP}}")
+
+
+@pytest.mark.parametrize("tp", ["0", "'2'", "x"])
+def test_roll_parallel_sizes_must_be_positive_ints(tmp_path, tp):
+    text = BASE.replace("mesh: train, model: policy, params: {output: old_logprobs}", ROLL_NODE.replace("TP", tp))
+    (p,) = problems(tmp_path, text, ["cluster.devices_per_node=5"])
+    assert p.path == ("nodes", 3, "options", "tensor_model_parallel_size") and p.line == line_of(text, "device_mapping")
+    assert p.message.endswith("is not a parallel size; expected an integer >= 1 (it sizes the mesh of device_mapping)")
+
+
+def test_a_null_roll_parallel_size_is_unset(tmp_path):
+    text = BASE.replace("mesh: train, model: policy, params: {output: old_logprobs}", ROLL_NODE.replace("TP", "null"))
+    pipe = load_pipeline(write(tmp_path, text), ["cluster.devices_per_node=5"])
+    assert pipe.meshes["old_logprob"].alloc == "megatron:d2t1p1"
+
+
+USER_KINDS = {"kind_raises": "raise RuntimeError('boom at import')\n", "kind_syntax": "def fn(:\n",
+              "kind_exits": "import sys\nsys.exit(3)\n", "kind_plain": "def fn(batch, ctx):\n    return {}\n"}
+
+
+@pytest.mark.parametrize("kind, message", [
+    (":", "unknown node kind ':'; expected one of: "),
+    (".x:y", "cannot import module '.x' of kind '.x:y' (TypeError: "),
+    ("kind_raises:fn", "cannot import module 'kind_raises' of kind 'kind_raises:fn' (RuntimeError: boom at import); "
+                       "expected an importable module"),
+    ("kind_syntax:fn", "cannot import module 'kind_syntax' of kind 'kind_syntax:fn' (SyntaxError: "),
+    ("kind_exits:fn", "cannot import module 'kind_exits' of kind 'kind_exits:fn' (SystemExit: 3)"),
+    ("kind_plain:fn", "'kind_plain:fn' is not a node kind; expected a function decorated with @siirl_dag.registry.node_kind"),
+    ("os:getcwd", "'os:getcwd' is not a node kind; expected a function decorated with @siirl_dag.registry.node_kind"),
+])
+def test_a_bad_user_kind_is_a_located_problem(tmp_path, monkeypatch, kind, message):
+    for name, source in USER_KINDS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = BASE.replace("{id: reward, kind: reward,", f"{{id: reward, kind: '{kind}',")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 1, "kind") and p.line == line_of(text, "id: reward") and message in p.message
+
+
+@pytest.mark.parametrize("override", ["a..b=1", "trainer.=1", ".trainer=1"])
+def test_an_override_with_an_empty_key_part_is_refused_on_the_command_line(tmp_path, override):
+    (p,) = problems(tmp_path, BASE, [override])
+    key = override.split("=")[0]
+    assert p.file == "<command line>" and p.line is None
+    assert f"key '{key}' has an empty part; expected names joined by single dots" in p.message
+
+
+def test_a_run_needs_model_weights_and_an_existing_tokenizer(tmp_path):
+    text = BASE.replace("no/such/model", str(model_dir(tmp_path, "{}")))
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(write(tmp_path, text), for_run=True)
+    (p,) = info.value.problems
+    assert p.path == ("models", "policy", "path") and p.line == line_of(text, "policy:")
+    assert "has no weights; expected *.safetensors or *.bin files (or their *.index.json) beside config.json" in p.message
+    model_dir(tmp_path, "{}", "model.safetensors.index.json")
+    load_pipeline(write(tmp_path, text), for_run=True)
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(write(tmp_path, text), ["models.policy.tokenizer=no/such/tokenizer"], for_run=True)
+    (p,) = info.value.problems
+    assert p.path == ("models", "policy", "tokenizer") and "tokenizer directory 'no/such/tokenizer' not found" in p.message
+    warned = load_pipeline(write(tmp_path, text), ["models.policy.tokenizer=no/such/tokenizer"]).warnings
+    assert [(w.path, w.severity) for w in warned] == [(("models", "policy", "tokenizer"), "warning")]
+
+
+def test_a_one_of_reports_the_branch_of_the_values_type(tmp_path):
+    text = BASE.replace("train: megatron:d2", "train: {alloc: 'megatron:d2', colocate: gen}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("meshes", "train", "colocate") and "did you mean 'colocate_with'?" in p.message
+    assert p.line == line_of(text, "colocate")
+    (p,) = problems(tmp_path, BASE.replace("train_files: train.parquet", "train_files: []"))
+    assert p.path == ("data", "train_files") and p.message == "[] is too short; expected at least 1 item(s)"
+
+
+def test_an_alias_bomb_in_an_override_is_refused(tmp_path):
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x, x]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    (p,) = problems(tmp_path, BASE, [f"description=[{', '.join(levels)}]"])
+    assert p.file == "<command line>" and "expands the document past 100000 aliased values" in p.message

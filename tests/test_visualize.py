@@ -238,6 +238,17 @@ def test_unknown_extension_lists_supported(capsys, tmp_path):
     assert not (tmp_path / "dag.jpg").exists()
 
 
+@pytest.mark.parametrize("target, why", [("isdir.mmd", "Is a directory"), ("afile/x.mmd", "afile"),
+                                         ("n" * 300 + ".mmd", "File name too long")])
+def test_an_unwritable_output_is_one_clear_error(capsys, tmp_path, target, why):
+    (tmp_path / "isdir.mmd").mkdir()
+    (tmp_path / "afile").write_text("")
+    rc, _, err = run_cli(capsys, "visualize", TINY, "-o", str(tmp_path / target))
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith(f"--output: cannot write '{tmp_path / target}' (") and why in err
+    assert "expected a file path in a writable folder" in err
+
+
 @pytest.mark.parametrize("bad", [["nodes.reward.deps=[rollot]"], ["meshes.gen=vllm:d0"]])
 def test_invalid_pipeline_fails_like_validate(capsys, tmp_path, bad):
     rc_validate, _, err_validate = run_cli(capsys, "validate", TINY, *bad)

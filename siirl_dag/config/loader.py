@@ -205,14 +205,29 @@ def _mesh_requests(pipe: Pipeline, components: dict) -> list[MeshRequest]:
     return requests
 
 
+def _model_files_problem(spec: ModelSpec) -> Problem | None:
+    """What is missing from a model's folders for a run to load it, if anything."""
+    folder = Path(spec.path)
+    if not (folder / "config.json").is_file():
+        return Problem(("models", spec.name, "path"), f"model directory '{spec.path}' not found (no config.json); "
+                       "expected a local Hugging Face model folder")
+    if not any(next(folder.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.index.json")):
+        return Problem(("models", spec.name, "path"), f"model directory '{spec.path}' has no weights; expected "
+                       "*.safetensors or *.bin files (or their *.index.json) beside config.json")
+    if spec.tokenizer is not None and not Path(spec.tokenizer).is_dir():
+        return Problem(("models", spec.name, "tokenizer"), f"tokenizer directory '{spec.tokenizer}' not found; "
+                       "expected a local folder with the tokenizer files, or no key (the model's folder)")
+    return None
+
+
 def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
+    """Models the nodes use must be on disk to run; `validate` only warns (a plan needs no weights)."""
     problems = []
-    used = {n.model for n in pipe.nodes.values() if n.model}
-    for name in sorted(used):
-        spec = pipe.models[name]
-        if not (Path(spec.path) / "config.json").is_file():
-            problems.append(Problem(("models", name, "path"), f"model directory '{spec.path}' not found (no config.json); "
-                                    "expected a local Hugging Face model folder", severity="error" if for_run else "warning"))
+    for name in sorted({n.model for n in pipe.nodes.values() if n.model}):
+        problem = _model_files_problem(pipe.models[name])
+        if problem:
+            problem.severity = "error" if for_run else "warning"
+            problems.append(problem)
     return problems
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from siirl_dag.config.yaml_loader import LimitedLoader, LimitError
 from siirl_dag.errors import ConfigError, Problem
 
 OVERRIDE_FILE = "<command line>"
@@ -22,10 +23,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ValueError(f"'{text}' is not an override; expected key.path=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=LimitedLoader) if raw.strip() else ""
+    except LimitError as exc:
+        raise ValueError(f"value of '{key}': {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"value of '{key}' is not valid YAML ({exc.__class__.__name__}); quote it") from None
-    return key.strip().split("."), value
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ValueError(f"key '{key.strip()}' has an empty part; expected names joined by single dots (a.b.c=value)")
+    return parts, value
 
 
 def _resolve_part(container: Any, part: str, path: tuple) -> Any:

@@ -12,8 +12,9 @@ from typing import Any
 
 import networkx as nx
 
+from siirl_dag.config.schema import describe, validate
 from siirl_dag.config.yaml_loader import locate
-from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.errors import ConfigError, Problem, format_path
 from siirl_dag.placement.plan import ClusterSpec, Plan
 from siirl_dag.registry import NodeKind
 
@@ -32,12 +33,33 @@ class ModelSpec:
         return self.tokenizer or self.path
 
     def hf_config(self) -> dict | None:
-        """The HF config.json merged with override_config, or None when the model is not on disk."""
+        """The HF config.json merged with override_config, or None when the model is not on disk.
+
+        Raises ConfigError at models.<name>.path for a config.json placement could not read.
+        """
         cfg_file = Path(self.path) / "config.json"
-        base = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+        base = self._read_config(cfg_file) if cfg_file.is_file() else None
         if base is None and not self.override_config:
             return None
         return {**(base or {}), **self.override_config}
+
+    def _read_config(self, cfg_file: Path) -> dict:
+        path = ("models", self.name, "path")
+        try:
+            base = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{cfg_file} is unreadable ({exc}); expected the model's Hugging Face config.json",
+                              path) from None
+        if not isinstance(base, dict):
+            raise ConfigError(f"{cfg_file} holds {describe(base)}; expected the model's Hugging Face config.json "
+                              "(a JSON object)", path)
+        problems = validate(base, "pipeline.schema.json#/$defs/hf_config", path)
+        for p in problems:
+            p.message = f"{cfg_file}: {format_path(p.path[len(path):])}: {p.message}"
+            p.path = path
+        if problems:
+            raise ConfigError(problems)
+        return base
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,21 @@ from __future__ import annotations
 import ast
 import re
 
+from siirl_dag.config import schema
 from siirl_dag.errors import Problem
+from siirl_dag.placement.rules import OPTION_SIZES
 
 # ROLL strategy name -> (our strategy, allocation backend)
 ROLL_STRATEGIES = {"megatron_train": "megatron", "megatron_infer": "megatron", "vllm": "vllm", "megatron": "megatron"}
 
 _RANGE = re.compile(r"^\s*(?:list\s*\(\s*)?range\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)?\s*$")
 _SPAN = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+def _max_devices() -> int:
+    """The devices of the largest cluster the schema allows: no longer list can fit."""
+    cluster = schema.load_schema("pipeline.schema.json")["properties"]["cluster"]["properties"]
+    return cluster["nodes"]["maximum"] * cluster["devices_per_node"]["maximum"]
 
 
 def parse_device_list(value) -> list[int]:
@@ -32,9 +40,9 @@ def parse_device_list(value) -> list[int]:
         args = [int(a)] if b is None else [int(a), int(b)] + ([int(s)] if s else [])
         if len(args) == 3 and args[2] == 0:
             raise ValueError(f"'{text}' has step 0; {expected}")
-        devices = list(range(*args))
+        devices = range(*args)
     elif m := _SPAN.match(text):
-        devices = list(range(int(m.group(1)), int(m.group(2)) + 1))
+        devices = range(int(m.group(1)), int(m.group(2)) + 1)
     elif re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*,?\s*", text):
         devices = [int(x) for x in text.split(",") if x.strip()]
     else:
@@ -45,20 +53,33 @@ def parse_device_list(value) -> list[int]:
         if not isinstance(literal, (list, tuple)):
             raise ValueError(f"cannot read device list '{text}'; {expected}")
         return parse_device_list(list(literal))
+    limit = _max_devices()
+    if devices[limit:]:  # a range's length, never built (len() itself overflows past 2**63)
+        raise ValueError(f"'{text}' names more than {limit} devices, the most a cluster may have; {expected}")
     if not devices or min(devices) < 0:
         raise ValueError(f"'{text}' gives no valid device indices; {expected}")
-    return devices
+    return list(devices)
 
 
-def _alloc_from_options(strategy: str, options: dict, n_devices: int) -> str:
-    """The allocation string a ROLL strategy_config implies on n_devices devices."""
-    if strategy == "megatron":
-        tp = options.get("tensor_model_parallel_size", 1)
-        pp = options.get("pipeline_model_parallel_size", 1)
-        cp = options.get("context_parallel_size", 1)
-        ep = options.get("expert_model_parallel_size", 1)
-    else:
-        tp, pp, cp, ep = options.get("tensor_parallel_size", 1), options.get("pipeline_parallel_size", 1), 1, 1
+def _parallel_sizes(strategy: str, options: dict, base: tuple) -> tuple[dict[str, int], list[Problem]]:
+    """tp, pp, cp, ep as a ROLL strategy_config writes them (1 where absent or null), and a problem
+    at each size that is not a positive integer (it would size the device_mapping mesh)."""
+    sizes, problems = dict.fromkeys(("tp", "pp", "cp", "ep"), 1), []
+    for key, attr in OPTION_SIZES.get(strategy if isinstance(strategy, str) else "", {}).items():
+        value = options.get(key)
+        if attr not in sizes or value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            sizes[attr] = value
+        else:
+            problems.append(Problem(base + ("options", key), f"{value!r} is not a parallel size; expected an integer "
+                                                              ">= 1 (it sizes the mesh of device_mapping)"))
+    return sizes, problems
+
+
+def _alloc_from_options(strategy: str, sizes: dict[str, int], n_devices: int) -> str:
+    """The allocation string that parallel sizes imply on n_devices devices."""
+    tp, pp, cp, ep = sizes["tp"], sizes["pp"], sizes["cp"], sizes["ep"]
     per_replica = tp * pp * cp
     if n_devices % per_replica:
         raise ValueError(f"{n_devices} devices do not split into replicas of tp {tp} x pp {pp} x cp {cp} = {per_replica}; "
@@ -104,11 +125,16 @@ def normalize(doc: dict, positions: dict) -> list[Problem]:
                     positions[base + ("options",) + key[len(base) + 2:]] = pos
             del node["strategy_args"]
         if "device_mapping" in node:
+            strategy, options = node.get("strategy", "megatron"), node.get("options")
+            sizes, bad = _parallel_sizes(strategy, options if isinstance(options, dict) else {}, base)
+            if bad:
+                problems += bad
+                continue
             try:
                 devices = parse_device_list(node.pop("device_mapping"))
                 if "mesh" in node:
                     raise ValueError("both mesh and device_mapping are given; expected one of them")
-                alloc = _alloc_from_options(node.get("strategy", "megatron"), node.get("options") or {}, len(devices))
+                alloc = _alloc_from_options(strategy, sizes, len(devices))
             except ValueError as exc:
                 problems.append(Problem(base + ("device_mapping",), str(exc)))
                 continue

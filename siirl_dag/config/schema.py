@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,7 +22,24 @@ from siirl_dag.errors import Problem
 
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
 
-_JSON_TYPES = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number", type(None): "null"}
+_JSON_TYPES = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a float", type(None): "null"}
+
+
+def _is_integer(checker, instance) -> bool:
+    """A real int: JSON Schema also accepts 2.0, which later fails in range() or numpy."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+def _is_number(checker, instance) -> bool:
+    """A finite number: NaN passes every minimum/maximum comparison, and no setting is infinite."""
+    return _is_integer(checker, instance) or (isinstance(instance, float) and math.isfinite(instance))
+
+
+# The validator every schema of the project is checked with (pipelines, node params, strategy options).
+StrictValidator = validators.extend(
+    Draft202012Validator,
+    type_checker=Draft202012Validator.TYPE_CHECKER.redefine_many({"integer": _is_integer, "number": _is_number}),
+)
 
 
 def _fill_defaults(validator_class):
@@ -37,7 +55,7 @@ def _fill_defaults(validator_class):
     return validators.extend(validator_class, {"properties": properties_with_defaults})
 
 
-_DefaultingValidator = _fill_defaults(Draft202012Validator)
+_DefaultingValidator = _fill_defaults(StrictValidator)
 
 
 @lru_cache(maxsize=None)
@@ -57,15 +75,39 @@ def _suggest(word: str, choices) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """'a mapping', 'a list', ...: a value's kind in the words of the messages."""
     return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _type_problem(inst: Any, want: str) -> str:
+    """NaN and infinity are floats, so 'is a float' would not say what is wrong with them."""
+    if isinstance(inst, float) and not math.isfinite(inst):
+        return f"{inst!r} is not a finite number; expected a finite {want}"
+    return f"{inst!r} is {describe(inst)}; expected {want}"
+
+
+def _fitting_branch(error: ValidationError) -> list[ValidationError]:
+    """The errors of the one oneOf/anyOf branch whose type fits the instance, so that a mapping is
+    told what is wrong inside it rather than that it is not a string; best_match's pick otherwise."""
+    branches: dict[int, list[ValidationError]] = {}
+    for sub in error.context:
+        branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+    fitting = [subs for subs in branches.values()
+               if not any(e.validator == "type" and len(e.relative_schema_path) == 2 for e in subs)]
+    return fitting[0] if len(fitting) == 1 else [best_match(error.context)]
+
+
+_MIN_SIZES = {"minItems": "item(s)", "minProperties": "key(s)", "minLength": "character(s)"}
+_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
 
 
 def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
     path = base + tuple(error.absolute_path)
     kw, schema, inst = error.validator, error.schema, error.instance
     if kw in ("oneOf", "anyOf") and error.context:
-        yield from _problems_from(best_match(error.context), base)
+        for sub in _fitting_branch(error):
+            yield from _problems_from(sub, base)
         return
     if kw == "additionalProperties" and isinstance(inst, dict):
         known = list(schema.get("properties", {}))
@@ -81,7 +123,14 @@ def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
     if kw == "type":
         want = error.validator_value
         want = " or ".join(want) if isinstance(want, list) else want
-        yield Problem(path, f"{inst!r} is {_describe(inst)}; expected {want}")
+        yield Problem(path, _type_problem(inst, want))
+        return
+    if kw in _BOUNDS:
+        allowed = " and ".join(f"{op} {schema[k]}" for k, op in _BOUNDS.items() if k in schema)
+        yield Problem(path, f"{inst!r} is out of range; expected a value {allowed}")
+        return
+    if kw in _MIN_SIZES:
+        yield Problem(path, f"{inst!r} is too short; expected at least {error.validator_value} {_MIN_SIZES[kw]}")
         return
     if kw == "enum":
         hint = _suggest(inst, error.validator_value)
@@ -95,8 +144,17 @@ def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
     yield Problem(path, f"{error.message}")
 
 
+def _subschema(relative: str) -> dict:
+    """'file.json' or 'file.json#/$defs/name' (a self-contained definition inside a file)."""
+    file, _, pointer = relative.partition("#")
+    found = load_schema(file)
+    for key in filter(None, pointer.split("/")):
+        found = found[key]
+    return found
+
+
 def validate(instance: Any, relative_schema: str, base_path: tuple = ()) -> list[Problem]:
     """Validate `instance` in place (defaults are filled); return problems sorted by path."""
-    validator = _DefaultingValidator(load_schema(relative_schema))
+    validator = _DefaultingValidator(_subschema(relative_schema))
     problems = [p for e in validator.iter_errors(instance) for p in _problems_from(e, base_path)]
     return sorted(problems, key=lambda p: [str(x) for x in p.path])

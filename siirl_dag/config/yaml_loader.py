@@ -2,7 +2,8 @@
 
 PyYAML's composer gives nodes with marks; we build plain Python data from them ourselves, so no
 object is ever constructed from a tag, duplicate keys are caught (PyYAML silently keeps the last),
-and every path maps to (line, col) for error messages.
+and every path maps to (line, col) for error messages. Nesting depth and what aliases expand to
+are bounded, so a small file cannot exhaust the stack or take gigabytes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,64 @@ from siirl_dag.errors import ConfigError, Problem
 Position = tuple[int, int]  # 1-based line, col
 Positions = dict[tuple, Position]
 
+MAX_DEPTH = 100  # nesting levels; deeper input would overflow Python's stack in the recursive composer
+MAX_ALIASED = 100_000  # values that aliases may add to one file (a "billion laughs" file needs gigabytes)
 
 _CONSTRUCTOR = yaml.SafeLoader("")
+
+
+class LimitError(yaml.MarkedYAMLError):
+    """Input that is valid YAML but too deep or too large to build; `problem` says which limit."""
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
+def _size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values in `node` once its aliases are expanded (memoized: aliases share nodes)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 1 + sum(_size(child, sizes) for child in _children(node))
+    return sizes[id(node)]
+
+
+class LimitedLoader(yaml.SafeLoader):
+    """PyYAML's safe composer with limits on nesting depth and on what aliases expand to;
+    an alias of a node that contains it (a cycle) is refused too."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._open: list[str | None] = []  # anchors of the nodes being composed, outermost first
+        self._sizes: dict[int, int] = {}
+        self._aliased = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._check_alias(event)
+            return super().compose_node(parent, index)
+        if len(self._open) >= MAX_DEPTH:
+            raise LimitError(problem=f"more than {MAX_DEPTH} levels of nesting; expected a flatter document",
+                              problem_mark=event.start_mark)
+        self._open.append(event.anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.pop()
+
+    def _check_alias(self, event: yaml.AliasEvent) -> None:
+        if event.anchor not in self.anchors:
+            return  # PyYAML reports the undefined alias
+        if event.anchor in self._open:
+            raise LimitError(problem=f"alias '*{event.anchor}' is inside the node it names (a cycle); "
+                                      "expected an alias of a finished node", problem_mark=event.start_mark)
+        self._aliased += _size(self.anchors[event.anchor], self._sizes)
+        if self._aliased > MAX_ALIASED:
+            raise LimitError(problem=f"alias '*{event.anchor}' expands the document past {MAX_ALIASED} aliased "
+                                      "values; expected aliases of small sections",
+                              problem_mark=event.start_mark)
 
 
 def _scalar(node: yaml.ScalarNode) -> Any:
@@ -92,7 +149,10 @@ def load_yaml(path: str | Path) -> tuple[Any, Positions]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([Problem((), f"cannot read file ({exc})", file=str(path))]) from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=LimitedLoader)
+    except LimitError as exc:
+        mark = exc.problem_mark
+        raise ConfigError([Problem((), exc.problem, file=str(path), line=mark.line + 1, col=mark.column + 1)]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)

@@ -39,11 +39,16 @@ def render(pipe: Pipeline, fmt: str, view: str = "graph") -> bytes:
 
 
 def write(pipe: Pipeline, path: str | Path, view: str = "graph") -> Path:
-    """Render into `path` (format from its extension), creating its folder."""
+    """Render into `path` (format from its extension), creating its folder; ConfigError if it cannot."""
     path = Path(path)
     data = render(pipe, output_format(path), view)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except OSError as exc:
+        culprit = f": {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+        raise ConfigError(f"cannot write '{path}' ({exc.strerror or exc}{culprit}); expected a file path in a "
+                          "writable folder", ("--output",)) from None
     return path
 
 

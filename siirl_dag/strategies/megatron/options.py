@@ -33,12 +33,12 @@ def dtype_options(dtype: str, written: dict[str, Any]) -> dict[str, Any]:
 
 def resolve(options: dict[str, Any] | None) -> dict[str, Any]:
     """Options with defaults filled in; ConfigError listing every violation."""
-    import jsonschema
+    from siirl_dag.config.schema import StrictValidator
 
     sch = schema()
     full = {k: v["default"] for k, v in sch["properties"].items()}
     full.update(options or {})
-    errors = sorted(jsonschema.Draft202012Validator(sch).iter_errors(full), key=lambda e: list(e.path))
+    errors = sorted(StrictValidator(sch).iter_errors(full), key=lambda e: list(e.path))
     if errors:
         raise ConfigError([Problem(("options", *e.path), e.message) for e in errors])
     problems = []

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-
+from siirl_dag.config.schema import StrictValidator
 from siirl_dag.errors import ConfigError, Problem
 
 SCHEMA_PATH = Path(__file__).resolve().parents[3] / "schemas" / "strategies" / "vllm.schema.json"
@@ -28,7 +27,7 @@ def resolve_options(options: dict[str, Any]) -> dict[str, Any]:
     The config layer does the same at the door; repeating it here keeps a strategy built directly
     (tests, scripts) as strict as one built from a pipeline file.
     """
-    errors = jsonschema.Draft202012Validator(schema()).iter_errors(options)
+    errors = StrictValidator(schema()).iter_errors(options)
     problems = [Problem(("options", *e.absolute_path), e.message) for e in errors]
     if problems:
         raise ConfigError(problems)

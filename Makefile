@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml scripts/setup_env.sh
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/make_demo_task.py data/demo
-	OMP_NUM_THREADS=1 $(PY) -m siirl_dag.main $(DEMO) trainer.resume_mode=disable
+	OMP_NUM_THREADS=1 $(PY) -m siirl_dag.main $(DEMO)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

@@ -86,6 +86,28 @@ def test_missing_or_unreadable_file(tmp_path):
         PromptDataset(str(junk))
 
 
+def test_a_directory_is_not_a_data_file(tmp_path):
+    folder = tmp_path / "train.parquet"
+    folder.mkdir()
+    verl_file(folder, name="part0.parquet")
+    with pytest.raises(ConfigError) as err:
+        PromptDataset([str(folder)], config_path=("data", "train_files"))
+    assert str(err.value) == (f"data.train_files: data file '{folder}' is a directory; expected a parquet file "
+                              "(list the files inside it one by one)")
+
+
+def test_damaged_pages_behind_a_sound_footer(tmp_path):
+    path = verl_file(tmp_path, n=200)
+    data = bytearray(Path(path).read_bytes())
+    data[40:400] = b"\xff" * 360  # the first column's pages; the footer at the end stays readable
+    Path(path).write_bytes(data)
+    pq.read_schema(path)
+    with pytest.raises(ConfigError) as err:
+        PromptDataset([path], config_path=("data", "val_files"))
+    assert str(err.value).startswith(f"data.val_files: data file '{path}' is not readable parquet (")
+    assert str(err.value).endswith("); expected an intact parquet file")
+
+
 def ids(batches):
     return [[r["index"] for r in b] for b in batches]
 
@@ -134,6 +156,21 @@ def test_resume_refuses_other_data_or_seed(tmp_path):
     reseeded = PromptLoader(PromptDataset(verl_file(tmp_path, n=10, name="c.parquet")), batch_size=2, seed=2)
     with pytest.raises(ConfigError, match="seed 1 then, 2 now"):
         reseeded.load_state_dict(state)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"epoch": None}, "<root>: the loader state lacks epoch; expected a mapping with epoch, position, seed, num_rows, shuffle"),
+    ({"position": -2}, "position: position -2 is not a count; expected a non-negative 64-bit integer"),
+    ({"epoch": True}, "epoch: epoch True is not a count; expected a non-negative 64-bit integer"),
+    ({"position": 10}, "position: position 10 is outside an epoch of 10 rows; expected the same batch layout as the checkpoint"),
+])
+def test_resume_refuses_a_malformed_state_naming_the_field(tmp_path, change, message):
+    loader = PromptLoader(PromptDataset(verl_file(tmp_path, n=10)), batch_size=2)
+    state = {k: v for k, v in {**loader.state_dict(), **change}.items() if v is not None}
+    with pytest.raises(ConfigError) as err:
+        loader.load_state_dict(state)
+    assert str(err.value) == message
+    assert (loader.epoch, loader.position) == (0, 0)
 
 
 def test_too_few_rows_for_one_batch(tmp_path):

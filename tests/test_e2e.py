@@ -48,12 +48,16 @@ def demo_data(tmp_path_factory):
     return out
 
 
-def run(tmp_path, model, data, meshes=SEPARATE, devices=2, backend="ray", *overrides):
+def launch(tmp_path, model, data, meshes=SEPARATE, devices=2, backend="ray", *overrides) -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
     f = tmp_path / "pipeline.yaml"
     f.write_text(PIPELINE.format(devices=devices, model=model, data=data, meshes=meshes, out=tmp_path, backend=backend))
-    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(f), "--json", *overrides], capture_output=True,
-                         text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run([sys.executable, "-m", "siirl_dag.main", str(f), "--json", *overrides], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+
+
+def run(*args):
+    res = launch(*args)
     assert res.returncode == 0, res.stderr[-4000:]
     out = "\n" + res.stdout  # Ray forwards worker logs to stdout too: the JSON is the last "{" block
     return json.loads(out[out.rindex("\n{\n") + 1:])
@@ -94,3 +98,17 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data):
     for step in ("3", "4"):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)
+
+
+def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo_data):
+    """Damage only the engines can see (a shard cut short): one line, exit 1, no traceback."""
+    quick = ("trainer.val_before_train=false", "trainer.export_hf=false")
+    run(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=1", *quick)
+    checkpoint = tmp_path / "ckpt" / "global_step_1"
+    shard = sorted((checkpoint / "actor_update").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=2", *quick)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-4000:]
+    (failed,) = [line for line in res.stderr.splitlines() if line.startswith("[run] failed: ")]
+    assert failed.startswith(f"[run] failed: resuming from {checkpoint}: node 'actor_update' could not load "
+                             f"{checkpoint / 'actor_update'} ("), failed

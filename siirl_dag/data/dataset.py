@@ -30,6 +30,15 @@ def _prompt_type_ok(t: pa.DataType) -> bool:
     return {"role", "content"} <= names
 
 
+def is_count(value) -> bool:
+    """A non-negative integer that fits int64: JSON allows any size, and a bool is an int in Python."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _unreadable(path: str, where: tuple, exc: Exception) -> Problem:
+    return Problem(where, f"data file '{path}' is not readable parquet ({exc}); expected an intact parquet file")
+
+
 def _prompt_problem(prompt) -> str | None:
     if prompt is None:
         return "is null"
@@ -65,12 +74,15 @@ class PromptDataset:
             raise ConfigError(shown)
 
     def _load(self, path: str, where: tuple) -> list[Problem]:
+        if os.path.isdir(path):
+            return [Problem(where, f"data file '{path}' is a directory; expected a parquet file (list the files "
+                                   "inside it one by one)")]
         if not os.path.isfile(path):
             return [Problem(where, f"data file '{path}' does not exist; expected a parquet file")]
         try:
             schema = pq.read_schema(path)
-        except (pa.ArrowInvalid, OSError) as e:
-            return [Problem(where, f"data file '{path}' is not readable parquet ({e}); expected a parquet file")]
+        except (pa.ArrowException, OSError) as e:
+            return [_unreadable(path, where, e)]
 
         def column_problem(column: str, message: str) -> Problem:
             return Problem((column,), message, file=path)
@@ -96,7 +108,10 @@ class PromptDataset:
 
         columns = [self.prompt_key, "data_source", truth_column.split(".")[0]]
         columns += ["extra_info"] if "extra_info" in schema.names else []
-        records = pq.read_table(path, columns=columns).to_pylist()
+        try:  # a sound footer says nothing of the pages: damaged ones only show here
+            records = pq.read_table(path, columns=columns).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            return [_unreadable(path, where, e)]
         start = len(self.rows)
         for i, rec in enumerate(records):
             truth = rec["ground_truth"] if truth_column == "ground_truth" else (rec["reward_model"] or {}).get("ground_truth")
@@ -179,14 +194,26 @@ class PromptLoader:
                 "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume; refuses a state from other data or another seed, which would skip or replay rows."""
+        """Resume; refuses a malformed state, or one from other data, another seed or shuffle, which
+        would skip or replay rows. Each problem's path names the state field at fault."""
+        problems = self._state_problems(state)
+        if problems:
+            raise ConfigError(problems)
+        self.epoch, self.position = state["epoch"], state["position"]
+
+    def _state_problems(self, state) -> list[Problem]:
+        """What keeps `state` from resuming this loader (empty when it can)."""
         mine = self.state_dict()
-        changed = [k for k in ("seed", "num_rows", "shuffle") if state.get(k) != mine[k]]
-        if changed:
-            detail = ", ".join(f"{k} {state.get(k)!r} then, {mine[k]!r} now" for k in changed)
-            raise ConfigError(f"cannot resume the data loader: {detail}; expected the same data, seed and shuffle "
-                              "as the checkpoint (resuming would skip or replay rows)")
-        if not 0 <= state["position"] < max(self._epoch_rows(), 1):
-            raise ConfigError(f"cannot resume the data loader: position {state['position']} is outside an epoch of "
-                              f"{self._epoch_rows()} rows; expected the same batch layout as the checkpoint")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        missing = list(mine) if not isinstance(state, dict) else [k for k in mine if k not in state]
+        if missing:
+            return [Problem((), f"the loader state lacks {', '.join(missing)}; expected a mapping with {', '.join(mine)}")]
+        bad = [k for k in ("epoch", "position") if not is_count(state[k])]
+        changed = [k for k in ("seed", "num_rows", "shuffle") if state[k] != mine[k]]
+        if bad or changed:
+            return ([Problem((k,), f"{k} {state[k]!r:.40} is not a count; expected a non-negative 64-bit integer") for k in bad] +
+                    [Problem((k,), f"{k} {state[k]!r:.40} then, {mine[k]!r} now; expected the same {k} as the checkpoint "
+                                   "(resuming would skip or replay rows)") for k in changed])
+        if state["position"] >= max(self._epoch_rows(), 1):
+            return [Problem(("position",), f"position {state['position']} is outside an epoch of {self._epoch_rows()} "
+                                           "rows; expected the same batch layout as the checkpoint")]
+        return []

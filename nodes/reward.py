@@ -1,5 +1,8 @@
 """reward: rule-based scores per sample (by data source), placed on the last response token."""
 
+from collections import Counter
+
+from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
 _BASE = ("responses", "response_mask", "prompt_mask", "data_source", "ground_truth")  # prompt_mask: metrics
@@ -9,8 +12,34 @@ def _consumes(params):
     return _BASE + (("old_logprobs", "ref_logprobs") if params.get("kl_coef", 0) > 0 else ())
 
 
+def _custom_scorer(node, pipeline) -> list[Problem]:
+    """A custom scorer must import now, not at the first step's reward."""
+    from nodes.algos import scorers
+
+    if node.params["scorer"] == "auto":
+        return []
+    try:
+        scorers.resolve_scorer(node.params["scorer"])
+    except ValueError as exc:
+        return [Problem(pipeline.node_path(node.id) + ("params", "scorer"), f"{exc}; expected an importable "
+                        "function(data_source, solution_str, ground_truth, extra_info)")]
+    return []
+
+
+def _gradable(params: dict, rows: list) -> list[str]:
+    """With the built-in scorers, every data_source of the prompts needs one."""
+    from nodes.algos import scorers
+
+    if params["scorer"] != "auto":
+        return []
+    unknown = Counter(r["data_source"] for r in rows if r["data_source"] not in scorers.SCORERS)
+    return [f"{n} prompt(s) have data_source {source!r}, which no built-in scorer grades; expected one of "
+            f"{', '.join(scorers.SCORERS)}, or a scorer of your own in params.scorer (module:function)"
+            for source, n in sorted(unknown.items())]
+
+
 @node_kind("reward", consumes=_consumes, produces=("token_level_scores", "token_level_rewards"),
-           params_schema="reward")
+           params_schema="reward", check=_custom_scorer, check_data=_gradable)
 def reward(batch, ctx):
     """Score decoded responses; an optional KL-in-reward penalty turns scores into rewards."""
     import torch

@@ -25,6 +25,8 @@ class NodeKind:
     params_schema: str | None = None  # file under schemas/nodes/
     trains: bool = False  # updates weights of its model (a valid `weights_from` target)
     check: Callable[..., list] | None = None  # extra checks: check(node, pipeline) -> [Problem]
+    # checks of the prompts a run feeds it, before anything starts: check_data(params, rows) -> [message]
+    check_data: Callable[[dict, list], list[str]] | None = None
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -62,12 +64,13 @@ DTYPE_OPTIONS: dict[str, str] = {
 
 
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
-              params_schema: str | None = None, trains: bool = False, check: Callable | None = None):
+              params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
+              check_data: Callable | None = None):
     """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
-                        params_schema, trains, check)
+                        params_schema, trains, check, check_data)
         fn.node_kind = kind
         if name is not None:
             if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):

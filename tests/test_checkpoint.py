@@ -72,7 +72,7 @@ def tmp(tmp_path):
 
 
 def write_data(tmp, rows):
-    pq.write_table(pa.table({"prompt": [f"q{i}" for i in range(rows)], "data_source": ["d"] * rows,
+    pq.write_table(pa.table({"prompt": [f"q{i}" for i in range(rows)], "data_source": ["gsm8k"] * rows,
                              "ground_truth": ["1"] * rows}), tmp / "train.parquet")
 
 

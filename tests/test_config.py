@@ -294,17 +294,33 @@ def test_run_refuses_bad_input_before_starting_anything(tmp_path, tiny_model_dir
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"prompt": ["a"], "data_source": ["d"], "ground_truth": ["1"]}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"prompt": ["a"], "data_source": ["gsm8k"], "ground_truth": ["1"]}), tmp_path / "t.parquet")
     text = BASE.replace("no/such/model", tiny_model_dir).replace("train.parquet", str(tmp_path / "t.parquet"))
     res = run_cli(str(write(tmp_path, text)))
     assert res.returncode == 2 and f":{line_of(text, 'train_batch_size')}:" in res.stderr
     assert "data.train_batch_size: the data has 1 rows, fewer than one batch of 8" in res.stderr
-    pq.write_table(pa.table({"prompt": ["a"] * 8, "data_source": ["d"] * 8, "ground_truth": ["1"] * 8}), tmp_path / "t.parquet")
+    pq.write_table(pa.table({"prompt": ["a"] * 8, "data_source": ["gsm8k"] * 8, "ground_truth": ["1"] * 8}), tmp_path / "t.parquet")
     bad_ckpt = tmp_path / "ckpt"
     bad_ckpt.mkdir()
     (bad_ckpt / "trainer_state.json").write_text("{not json")
     res = run_cli(str(write(tmp_path, text)), "trainer.resume_mode=resume_path", f"trainer.resume_from_path={bad_ckpt}")
     assert res.returncode == 2 and "trainer_state.json is unreadable" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_prompts_no_scorer_grades_and_a_scorer_that_does_not_import_are_refused(tmp_path, tiny_model_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a"] * 8, "data_source": ["gsm8k"] * 5 + ["my/set"] * 3,
+                             "ground_truth": ["1"] * 8}), tmp_path / "t.parquet")
+    text = BASE.replace("no/such/model", tiny_model_dir).replace("train.parquet", str(tmp_path / "t.parquet"))
+    res = run_cli(str(write(tmp_path, text)))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert (f":{line_of(text, 'train_files')}:" in res.stderr and "data.train_files: node 'reward': 3 prompt(s) have "
+            "data_source 'my/set', which no built-in scorer grades" in res.stderr)
+    res = run_cli(str(write(tmp_path, text)), "nodes.reward.params.scorer=no_such_module:score")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "params.scorer: scorer 'no_such_module:score': cannot import module 'no_such_module'" in res.stderr
 
 
 @pytest.mark.parametrize("dtype, vllm_dtype, bf16", [("float32", "float32", False), ("bfloat16", "bfloat16", True)])

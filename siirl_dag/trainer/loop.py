@@ -61,6 +61,9 @@ class Trainer:
             self.val_data = PromptDataset(list(d.val_files), d.prompt_key, config_path=("data", "val_files")) if d.val_files else None
         except ConfigError as exc:
             raise self._located(exc.problems) from None
+        problems = self._node_data_problems()
+        if problems:
+            raise self._located(problems)
         try:
             self.loader = PromptLoader(self.train_data, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
         except ConfigError as exc:
@@ -73,6 +76,17 @@ class Trainer:
         self.resume_from = self._resume_path()
         self.resumed = self._resume_driver(self.resume_from) if self.resume_from else None
         self._refuse_others_checkpoints()
+
+    def _node_data_problems(self) -> list[Problem]:
+        """What the node kinds find wrong with the prompts (a data_source no scorer grades, say)."""
+        problems = []
+        for node in self.pipe.nodes.values():
+            check = self.pipe.kinds[node.id].check_data
+            for key, data in (("train_files", self.train_data), ("val_files", self.val_data)):
+                if check and data:
+                    problems += [Problem(("data", key), f"node '{node.id}': {message}")
+                                 for message in check(node.params, data.rows)]
+        return problems
 
     def _located(self, problems: list[Problem]) -> ConfigError:
         return ConfigError(locate(problems, self.pipe.file, self.pipe.positions, self.pipe.touched))

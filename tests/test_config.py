@@ -323,6 +323,25 @@ def test_prompts_no_scorer_grades_and_a_scorer_that_does_not_import_are_refused(
     assert "params.scorer: scorer 'no_such_module:score': cannot import module 'no_such_module'" in res.stderr
 
 
+def test_an_unreachable_ray_cluster_is_refused_at_once(tmp_path, tiny_model_dir):
+    import socket
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pq.write_table(pa.table({"prompt": ["a"] * 8, "data_source": ["gsm8k"] * 8, "ground_truth": ["1"] * 8}),
+                   tmp_path / "t.parquet")
+    text = BASE.replace("no/such/model", tiny_model_dir).replace("train.parquet", str(tmp_path / "t.parquet"))
+    res = run_cli(str(write(tmp_path, text)), "--address", f"127.0.0.1:{port}")  # (Ray would retry it for minutes)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"<command line>: --address: nothing answers at 127.0.0.1:{port}" in res.stderr
+    res = run_cli(str(write(tmp_path, text)), "runtime.backend=ray", "runtime.address=no-port")
+    assert res.returncode == 2 and "runtime.address: 'no-port' is not host:port" in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("dtype, vllm_dtype, bf16", [("float32", "float32", False), ("bfloat16", "bfloat16", True)])
 def test_the_model_dtype_sets_each_engine_precision(tmp_path, dtype, vllm_dtype, bf16):
     pipe = load_pipeline(write(tmp_path, BASE), [f"models.policy.dtype={dtype}"])

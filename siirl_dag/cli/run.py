@@ -6,12 +6,28 @@ import json
 import sys
 
 from siirl_dag.config import load_pipeline
+from siirl_dag.config.overrides import OVERRIDE_FILE
+from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.runtime import PipelineError
+from siirl_dag.runtime.backends import unreachable
 from siirl_dag.trainer.loop import Trainer
+
+EXPECTED_ADDRESS = "expected the address of a running Ray cluster (host:port, ray://host:port or auto), or none"
+
+
+def _check_address(pipe, address: str | None) -> None:
+    """An unreachable cluster is bad input, refused before Ray spends minutes retrying it."""
+    written = address or pipe.runtime.address
+    why = unreachable(written) if written and pipe.runtime.backend == "ray" else None
+    if why and address:
+        raise ConfigError(Problem(("--address",), f"{why}; {EXPECTED_ADDRESS}", file=OVERRIDE_FILE))
+    if why:
+        raise pipe.error(("runtime", "address"), f"{why}; {EXPECTED_ADDRESS}")
 
 
 def main(args) -> int:
     pipe = load_pipeline(args.pipeline, args.overrides, for_run=True)
+    _check_address(pipe, args.address)
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print  # --json: stdout holds only the JSON

@@ -7,6 +7,7 @@ driver's scheduling code is the same for both and their results are identical on
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Any
 
@@ -62,6 +63,21 @@ class LocalBackend:
 
 
 FREE_OBJECTS_PERIOD_MS = 10
+
+
+def unreachable(address: str) -> str | None:
+    """Why the Ray cluster at `address` cannot be reached, or None ('auto' and 'local' are Ray's to
+    resolve): ray.init retries an address nothing listens on for minutes before it gives up."""
+    if address in ("auto", "local"):
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return f"'{address}' is not host:port"
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} ({exc.strerror or exc})"
+    return None
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:

@@ -104,6 +104,8 @@ def test_component_json_keys_and_frozen():
         ("megatron:(attn:d2|attn:d2)", "section attn: given twice"),
         ("megatron:(attn:d2)", "needs both attn:<dims> and ffn:<dims>"),
         ("megatron:(attn:d2|ffn:e2", "unbalanced parentheses"),
+        ("vllm:d\u0663", "cannot read dimensions"),  # an Arabic-Indic 3 is not a size
+        ("vllm:d\uff12", "cannot read dimensions"),  # nor a full-width 2
         ("megatron:(attn:d2|mlp:e2)", "expected attn:<dims>|ffn:<dims>, got 'mlp:e2'"),
         # names and colocation
         ("vllm[x]:d2+megatron[x]:d2", "name 'x' is used twice"),

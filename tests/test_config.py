@@ -64,8 +64,8 @@ def test_base_is_valid_and_typed(tmp_path):
     assert pipe.samples_per_prompt("actor_update") == 4
     assert pipe.data_parallel_size("actor_update") == 2
     assert pipe.produces("old_logprob") == ("old_logprobs",)
-    # a missing model directory is a warning at validate time and an error for a run
-    assert [w.path for w in pipe.warnings] == [("models", "policy", "path")]
+    # a missing model directory or data file is a warning at validate time and an error for a run
+    assert [w.path for w in pipe.warnings] == [("models", "policy", "path"), ("data", "train_files")]
     with pytest.raises(ConfigError, match="model directory 'no/such/model' not found"):
         load_pipeline(write(tmp_path, BASE), for_run=True)
 
@@ -233,6 +233,16 @@ def test_device_lists(text, devices):
     assert parse_device_list(text) == devices
 
 
+@pytest.mark.parametrize("text, message", [([0, 2, 0], "names device(s) 0 more than once; expected each device once"),
+                                           ("1,1", "names device(s) 1 more than once"),
+                                           ("\u0663-\u0665", "cannot read device list"),  # Arabic-Indic digits
+                                           ("0,\u0661", "cannot read device list")])
+def test_device_lists_name_each_device_once_in_ascii_digits(text, message):
+    with pytest.raises(ValueError) as info:
+        parse_device_list(text)
+    assert message in str(info.value)
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "siirl_dag.main", *args], capture_output=True, text=True, timeout=120)
 
@@ -321,6 +331,13 @@ def test_prompts_no_scorer_grades_and_a_scorer_that_does_not_import_are_refused(
     res = run_cli(str(write(tmp_path, text)), "nodes.reward.params.scorer=no_such_module:score")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "params.scorer: scorer 'no_such_module:score': cannot import module 'no_such_module'" in res.stderr
+
+
+@pytest.mark.parametrize("override", ["name=../../x", "name=a b", "trainer.experiment_name=/abs",
+                                      "trainer.project_name=.hidden"])
+def test_output_folder_names_are_one_plain_folder(tmp_path, override):
+    (p,) = problems(tmp_path, BASE, [override])
+    assert "expected one folder name of letters, digits" in p.message
 
 
 def test_an_unreachable_ray_cluster_is_refused_at_once(tmp_path, tiny_model_dir):
@@ -544,7 +561,7 @@ def test_a_run_needs_model_weights_and_an_existing_tokenizer(tmp_path):
     (p,) = info.value.problems
     assert p.path == ("models", "policy", "tokenizer") and "tokenizer directory 'no/such/tokenizer' not found" in p.message
     warned = load_pipeline(write(tmp_path, text), ["models.policy.tokenizer=no/such/tokenizer"]).warnings
-    assert [(w.path, w.severity) for w in warned] == [(("models", "policy", "tokenizer"), "warning")]
+    assert (("models", "policy", "tokenizer"), "warning") in [(w.path, w.severity) for w in warned]
 
 
 def test_a_one_of_reports_the_branch_of_the_values_type(tmp_path):

@@ -220,6 +220,13 @@ def _model_files_problem(spec: ModelSpec) -> Problem | None:
     return None
 
 
+def _data_warnings(pipe: Pipeline) -> list[Problem]:
+    """`validate` names data files that are not there (a run reads them all, and refuses what is wrong)."""
+    files = [("train_files", f) for f in pipe.data.train_files] + [("val_files", f) for f in pipe.data.val_files]
+    return [Problem(("data", key), f"data file '{f}' does not exist; expected a parquet file (a run refuses it)",
+                    severity="warning") for key, f in files if not Path(f).is_file()]
+
+
 def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
     """Models the nodes use must be on disk to run; `validate` only warns (a plan needs no weights)."""
     problems = []
@@ -292,7 +299,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         for node in nodes.values():
             if pipe.kinds[node.id].check:
                 problems += pipe.kinds[node.id].check(node, pipe)
-    problems += _model_problems(pipe, for_run)
+    problems += _model_problems(pipe, for_run) + ([] if for_run else _data_warnings(pipe))
     located(problems)
     if _errors(problems):
         raise ConfigError(problems)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 
 from siirl_dag.config import schema
 from siirl_dag.errors import Problem
@@ -17,8 +18,8 @@ from siirl_dag.placement.rules import OPTION_SIZES
 # ROLL strategy name -> (our strategy, allocation backend)
 ROLL_STRATEGIES = {"megatron_train": "megatron", "megatron_infer": "megatron", "vllm": "vllm", "megatron": "megatron"}
 
-_RANGE = re.compile(r"^\s*(?:list\s*\(\s*)?range\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)?\s*$")
-_SPAN = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+_RANGE = re.compile(r"^\s*(?:list\s*\(\s*)?range\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)?\s*$", re.ASCII)
+_SPAN = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$", re.ASCII)
 
 
 def _max_devices() -> int:
@@ -30,12 +31,12 @@ def _max_devices() -> int:
 def parse_device_list(value) -> list[int]:
     """A list of device indices from a YAML list or a string; raises ValueError with what is accepted."""
     expected = "expected a list of device indices, 'list(range(a, b))', '[0, 1]', '0,1,2' or 'a-b'"
-    if isinstance(value, list):
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-            return list(value)
-        raise ValueError(f"{value!r} holds something other than non-negative integers; {expected}")
     text = str(value)
-    if m := _RANGE.match(text):
+    if isinstance(value, list):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise ValueError(f"{value!r} holds something other than non-negative integers; {expected}")
+        devices = value
+    elif m := _RANGE.match(text):
         a, b, s = m.groups()
         args = [int(a)] if b is None else [int(a), int(b)] + ([int(s)] if s else [])
         if len(args) == 3 and args[2] == 0:
@@ -43,7 +44,7 @@ def parse_device_list(value) -> list[int]:
         devices = range(*args)
     elif m := _SPAN.match(text):
         devices = range(int(m.group(1)), int(m.group(2)) + 1)
-    elif re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*,?\s*", text):
+    elif re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*,?\s*", text, re.ASCII):
         devices = [int(x) for x in text.split(",") if x.strip()]
     else:
         try:
@@ -58,6 +59,9 @@ def parse_device_list(value) -> list[int]:
         raise ValueError(f"'{text}' names more than {limit} devices, the most a cluster may have; {expected}")
     if not devices or min(devices) < 0:
         raise ValueError(f"'{text}' gives no valid device indices; {expected}")
+    twice = sorted(d for d, n in Counter(devices).items() if n > 1)
+    if twice:
+        raise ValueError(f"'{text}' names device(s) {', '.join(map(str, twice))} more than once; expected each device once")
     return list(devices)
 
 

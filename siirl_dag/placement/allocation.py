@@ -44,8 +44,8 @@ _COMPONENT = re.compile(
     r"^(?P<backend>[A-Za-z_][\w-]*)?\s*(?:\[\s*(?P<name>[^\]]*?)\s*\])?\s*:\s*(?P<body>.*)$", re.S
 )
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
-_DIMS_ONLY = re.compile(r"^(\s*[A-Za-z]\s*\d+)+\s*$")
-_DIM = re.compile(r"\s*([A-Za-z])\s*(\d+)\s*")
+_DIMS_ONLY = re.compile(r"^(\s*[A-Za-z]\s*\d+)+\s*$", re.ASCII)
+_DIM = re.compile(r"\s*([A-Za-z])\s*(\d+)\s*", re.ASCII)
 _SECTION = re.compile(r"^\s*(attn|ffn)\s*:(.*)$", re.S)
 
 

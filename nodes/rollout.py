@@ -1,12 +1,29 @@
 """rollout: sample n responses per prompt with the vLLM strategy (greedy, one each, in validation)."""
 
+from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
             "position_ids", "rollout_logprobs", "response_length", "finish_reason")
 
 
-@node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout")
+def _lengths_fit(node, pipeline) -> list[Problem]:
+    """Prompt + response must fit the engine's context (max_model_len, or the model's own limit)."""
+    need = pipeline.data.max_prompt_length + pipeline.data.max_response_length
+    limit = node.options.get("max_model_len")
+    source = "max_model_len"
+    if limit is None:
+        limit, source = (pipeline.models[node.model].hf_config() or {}).get("max_position_embeddings"), \
+            "the model's max_position_embeddings (max_model_len: null)"
+    if limit is None or need <= limit:
+        return []
+    return [Problem(pipeline.node_path(node.id) + ("options", "max_model_len"),
+                    f"data.max_prompt_length + data.max_response_length = {need} do not fit {source} = {limit}; "
+                    f"expected max_model_len >= {need}, or shorter lengths")]
+
+
+@node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout",
+           check=_lengths_fit)
 def rollout(batch, ctx):
     """Generate responses; rows are expanded n-fold (samples of one prompt adjacent)."""
     ctx.check_weights_version()

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -331,6 +332,16 @@ def test_prompts_no_scorer_grades_and_a_scorer_that_does_not_import_are_refused(
     res = run_cli(str(write(tmp_path, text)), "nodes.reward.params.scorer=no_such_module:score")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "params.scorer: scorer 'no_such_module:score': cannot import module 'no_such_module'" in res.stderr
+
+
+def test_prompt_and_response_must_fit_the_rollout_context(tmp_path, tiny_model_dir):
+    text = BASE.replace("options: {n: 4}", "options: {n: 4, max_model_len: 64}")
+    (p,) = problems(tmp_path, text, ["data.max_prompt_length=60", "data.max_response_length=8"])
+    assert p.path == ("nodes", 0, "options", "max_model_len")
+    assert "max_prompt_length + data.max_response_length = 68 do not fit max_model_len = 64" in p.message
+    limit = json.loads((Path(tiny_model_dir) / "config.json").read_text())["max_position_embeddings"]
+    (p,) = problems(tmp_path, BASE.replace("no/such/model", tiny_model_dir), [f"data.max_prompt_length={limit}"])
+    assert f"do not fit the model's max_position_embeddings (max_model_len: null) = {limit}" in p.message
 
 
 @pytest.mark.parametrize("override", ["name=../../x", "name=a b", "trainer.experiment_name=/abs",

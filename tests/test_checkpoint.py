@@ -134,7 +134,7 @@ def test_resuming_refuses_later_steps_it_would_overwrite_and_keeps_its_own_histo
     write_checkpoint(tmp, 2)
     write_checkpoint(tmp, 4)
     trainer = Trainer(pipeline(tmp))  # auto: the newest, with the older one as its own history
-    assert trainer.resume_from == tmp / "ckpt" / "global_step_4" and trainer.step == 4
+    assert trainer.resume.path == tmp / "ckpt" / "global_step_4" and trainer.step == 4
     assert trainer.loader.state_dict()["position"] == 16
     message = refused(tmp, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp}/ckpt/global_step_2")
     assert "trainer.resume_from_path: " in message and "already holds global_step_4, which this run, resumed at step 2," in message

@@ -148,7 +148,10 @@ class Pipeline:
 
     def error(self, path: tuple, message: str) -> ConfigError:
         """A ConfigError located in the pipeline file, for checks made after loading (data, checkpoints)."""
-        return ConfigError(locate([Problem(tuple(path), message)], self.file, self.positions, self.touched))
+        return self.located([Problem(tuple(path), message)])
+
+    def located(self, problems: list[Problem]) -> ConfigError:
+        return ConfigError(locate(problems, self.file, self.positions, self.touched))
 
     def node_path(self, node_id: str) -> tuple:
         return ("nodes", self.nodes[node_id].index)

@@ -10,13 +10,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from siirl_dag.config.yaml_loader import locate
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.runtime import Batch, PipelineError, Runtime
 from siirl_dag.runtime.driver import NOT_SYNCED
 from siirl_dag.trainer import checkpoint
 from siirl_dag.trainer.logger import MetricsLogger
+from siirl_dag.trainer.resume import Resume
 
 
 def _source(rows: list[dict], epoch_tag: str = "") -> Batch:
@@ -24,11 +24,6 @@ def _source(rows: list[dict], epoch_tag: str = "") -> Batch:
     return Batch(meta={"raw_prompt": [r["raw_prompt"] for r in rows], "uid": [f"{epoch_tag}{r['index']}" for r in rows],
                        "data_source": [r["data_source"] for r in rows], "ground_truth": [r["ground_truth"] for r in rows],
                        "extra_info": [r["extra_info"] for r in rows]})
-
-
-# The data setting behind each loader state field a resume compares: a change there is a setting to
-# put back, not a damaged checkpoint.
-_LOADER_KEYS = {"seed": ("data", "seed"), "shuffle": ("data", "shuffle"), "num_rows": ("data", "train_files")}
 
 
 def _last_line(exc: BaseException) -> str:
@@ -60,10 +55,10 @@ class Trainer:
             self.train_data = PromptDataset(list(d.train_files), d.prompt_key, config_path=("data", "train_files"))
             self.val_data = PromptDataset(list(d.val_files), d.prompt_key, config_path=("data", "val_files")) if d.val_files else None
         except ConfigError as exc:
-            raise self._located(exc.problems) from None
+            raise pipe.located(exc.problems) from None
         problems = self._node_data_problems()
         if problems:
-            raise self._located(problems)
+            raise pipe.located(problems)
         try:
             self.loader = PromptLoader(self.train_data, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
         except ConfigError as exc:
@@ -71,11 +66,9 @@ class Trainer:
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
         self.models = {n: checkpoint.model_identity(pipe.models[pipe.nodes[n].model].hf_config()) for n in self.trainers}
-        self.step = 0
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
-        self.resume_from = self._resume_path()
-        self.resumed = self._resume_driver(self.resume_from) if self.resume_from else None
-        self._refuse_others_checkpoints()
+        self.resume = Resume(pipe, self.ckpt_dir, self.trainers, self.models, self.loader)
+        self.step = self.resume.step
 
     def _node_data_problems(self) -> list[Problem]:
         """What the node kinds find wrong with the prompts (a data_source no scorer grades, say)."""
@@ -88,89 +81,16 @@ class Trainer:
                                  for message in check(node.params, data.rows)]
         return problems
 
-    def _located(self, problems: list[Problem]) -> ConfigError:
-        return ConfigError(locate(problems, self.pipe.file, self.pipe.positions, self.pipe.touched))
-
-    @property
-    def _resume_key(self) -> tuple:
-        """The setting that chose the checkpoint a resume reads."""
-        mode = self.pipe.trainer.resume_mode
-        return ("trainer", "resume_from_path") if mode == "resume_path" else ("trainer", "resume_mode")
-
-    def _resume_path(self) -> Path | None:
-        t = self.pipe.trainer
-        if t.resume_mode == "resume_path":
-            if not t.resume_from_path:
-                raise self.pipe.error(self._resume_key, "is required when trainer.resume_mode is resume_path; expected "
-                                      "the path of a checkpoint folder (.../checkpoints/global_step_N)")
-            return Path(t.resume_from_path)
-        return checkpoint.latest(self.ckpt_dir) if t.resume_mode == "auto" else None
-
-    def _resume_driver(self, path: Path) -> dict:
-        """Check the whole checkpoint and restore the driver's side of it (step, data position); the
-        engines load their side once started. Returns the trainer state."""
-        state = checkpoint.load_state(path, self._resume_key)
-        problems = checkpoint.engine_problems(path, self.trainers, self._resume_key)
-        problems += self._model_problems(path, state) + self._loader_problems(path, state)
-        if problems:
-            raise self._located(problems)
-        self.step = state["step"]
-        return state
-
-    def _model_problems(self, path: Path, state: dict) -> list[Problem]:
-        """The models the checkpoint recorded (none before the record existed) against this pipeline's."""
-        problems = []
-        for node in self.trainers:
-            then, now = state.get("models", {}).get(node, {}), self.models[node]
-            changed = [f"{k} {then[k]!r} then, {now[k]!r} now" for k in then if k in now and then[k] != now[k]]
-            if changed:
-                problems.append(Problem(("models", self.pipe.nodes[node].model, "path"),
-                                        f"node '{node}' was trained from another model in checkpoint {path} "
-                                        f"({', '.join(changed)}); expected the model the checkpoint was written from, or a new "
-                                        "trainer.experiment_name to start afresh"))
-        return problems
-
-    def _loader_problems(self, path: Path, state: dict) -> list[Problem]:
-        try:
-            self.loader.load_state_dict(state["loader"])
-        except ConfigError as exc:
-            return [self._loader_problem(path, p) for p in exc.problems]
-        return []
-
-    def _loader_problem(self, path: Path, p: Problem) -> Problem:
-        """A changed data setting is located at its key; anything else is damage to the checkpoint."""
-        field = p.path[0] if p.path else None
-        if field in _LOADER_KEYS:
-            return Problem(_LOADER_KEYS[field], f"checkpoint {path} cannot resume with this data: {p.message}")
-        state_file = path / checkpoint.STATE_FILE
-        return Problem(self._resume_key, f"data loader state in {state_file}: {p.message}", file=str(state_file))
-
-    def _refuse_others_checkpoints(self) -> None:
-        """Saving overwrites a step's folder and prunes older ones: refuse a folder holding checkpoints
-        that are not this run's own history (all of them for a fresh run, later steps for a resume)."""
-        here = self.resume_from is not None and self.resume_from.resolve().parent == self.ckpt_dir.resolve()
-        theirs = sorted(k for k in checkpoint.steps(self.ckpt_dir) if not here or k > self.step)
-        if not theirs:
-            return
-        names = ", ".join(f"global_step_{k}" for k in theirs)
-        ways = ["set a new trainer.experiment_name or trainer.default_local_dir", "remove them"]
-        done = checkpoint.latest(self.ckpt_dir)
-        if self.resume_from is None and done:
-            ways.insert(0, f"continue from {done.name} with trainer.resume_mode=auto")
-        run = "this fresh run" if self.resume_from is None else f"this run, resumed at step {self.step},"
-        raise self.pipe.error(self._resume_key, f"checkpoint folder {self.ckpt_dir} already holds {names}, which {run} "
-                                                f"would overwrite or prune; expected a folder of its own: {', or '.join(ways)}")
-
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> dict:
-        if self.resume_from and self.step >= self.total_steps:
-            self.progress(f"[trainer] {self.resume_from} is at step {self.step} of {self.total_steps}: nothing to train. "
+        if self.resume.path and self.step >= self.total_steps:
+            self.progress(f"[trainer] {self.resume.path} is at step {self.step} of {self.total_steps}: nothing to train. "
                           "Raise trainer.total_steps to continue, or start afresh with a new trainer.experiment_name.")
             return {"steps": {}}
         with Runtime(self.pipe, self.address, self.progress) as rt:
             self.rt = rt
-            if self.resume_from:
-                self._restore_engines(self.resume_from)
+            if self.resume.path:
+                self._restore_engines(self.resume.path)
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
             history: dict = {"steps": {}}
             try:
@@ -253,8 +173,8 @@ class Trainer:
                 raise PipelineError(f"resuming from {path}: node '{node}' could not load {folder} ({_last_line(exc)}); "
                                     "expected an intact checkpoint of this model: remove it (auto resumes from the "
                                     "newest complete one) or name another with trainer.resume_from_path") from None
-        self.rt.versions.update(self.resumed["versions"])
-        self.rt.synced.update({k: NOT_SYNCED for k in self.resumed["synced"]})  # the trainers' weights changed: resync
+        self.rt.versions.update(self.resume.state["versions"])
+        self.rt.synced.update({k: NOT_SYNCED for k in self.resume.state["synced"]})  # the trainers' weights changed: resync
         self.rt.sync_weights()
         self.progress(f"[trainer] resumed from {path} at step {self.step}")
 

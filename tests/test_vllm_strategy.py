@@ -84,6 +84,9 @@ def test_token_id_prompts_and_chat_template(vllm_engine):
     expected = tok.encode("user: 1+1\nassistant:")
     assert chat["prompts"][0, P - len(expected):].tolist() == expected
     assert int(chat["prompt_mask"].sum()) == len(expected)
+    # a chat list (the prompt column of verl-style data, e.g. scripts/convert_gsm8k.py) is always templated
+    listed = vllm_engine.generate([[{"role": "user", "content": "1+1"}]], {"greedy": True, "max_tokens": 4}, P, R)
+    assert torch.equal(listed["prompts"], chat["prompts"]) and torch.equal(listed["responses"], chat["responses"])
 
 
 def test_n_samples_are_grouped(vllm_engine):

@@ -128,16 +128,19 @@ class VllmRollout(Strategy):
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm
 
-    def _tokenize(self, prompt: str | Sequence[int], chat_template: bool) -> list[int]:
-        if not isinstance(prompt, str):
+    def _tokenize(self, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool) -> list[int]:
+        """Token ids as given; a chat list (the prompt column of verl-style data) always through the chat
+        template; a text through it as one user turn when `chat_template`, else raw."""
+        if isinstance(prompt, str) and not chat_template:
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        elif not (prompt and isinstance(prompt[0], dict)):
             return list(prompt)
-        if chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+        text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: dict[str, Any] | None,
+    def generate(self, prompts: Sequence[str | Sequence[int] | Sequence[dict]], sampling: dict[str, Any] | None,
                  max_prompt_length: int, max_response_length: int,
                  chat_template: bool | None = None) -> dict[str, Any]:
         """Sample responses; rows are prompt-major (the n samples of a prompt are adjacent).
@@ -145,7 +148,8 @@ class VllmRollout(Strategy):
         `sampling` overrides the options' n, temperature, top_p, top_k, max_tokens, stop and
         stop_token_ids for this call, and may add `seed` (reproducible samples), `greedy` or
         `validate` (see options.sampling_kwargs). Text prompts are tokenized raw or through the chat
-        template (`chat_template`, default: the option); token-id prompts are used as given.
+        template (`chat_template`, default: the option); chat lists ({role, content} messages) always
+        through it; token-id prompts are used as given.
         Returns the batch-layout tensors plus the lists `finish_reason` and `sample_index` (the
         prompt each row answers).
         """

@@ -224,6 +224,23 @@ def test_local_and_ray_give_identical_results(tmp_path):
     assert not torch.equal(results[0][0], results[0][1]), "steps draw different noise"
 
 
+def test_the_local_backend_delivers_any_error_at_get_as_ray_does():
+    """torch's CheckpointException is a BaseException: it too must reach the caller through `get`."""
+    from siirl_dag.runtime.backends import LocalBackend
+
+    class ShardCutShort(BaseException):
+        pass
+
+    class Worker:
+        def load(self):
+            raise ShardCutShort("EOFError")
+
+    backend = LocalBackend(None)
+    done = backend.call(Worker(), "load")
+    with pytest.raises(ShardCutShort):
+        backend.get(done)
+
+
 def test_local_backend_refuses_multi_rank_meshes(tmp_path):
     from siirl_dag.errors import ConfigError
 

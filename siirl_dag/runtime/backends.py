@@ -38,7 +38,10 @@ class LocalBackend:
     def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
         try:
             value = getattr(worker, method)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - delivered at `get`, as Ray does
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - delivered at `get`, as Ray does (torch's CheckpointException
+            # is a BaseException)
             return [_Done(error=exc)] * num_returns if num_returns > 1 else _Done(error=exc)
         return [_Done(v) for v in value] if num_returns > 1 else _Done(value)
 

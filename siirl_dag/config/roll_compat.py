@@ -33,7 +33,7 @@ def parse_device_list(value) -> list[int]:
     expected = "expected a list of device indices, 'list(range(a, b))', '[0, 1]', '0,1,2' or 'a-b'"
     text = str(value)
     if isinstance(value, list):
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        if not all(schema.is_int(v) and v >= 0 for v in value):
             raise ValueError(f"{value!r} holds something other than non-negative integers; {expected}")
         devices = value
     elif m := _RANGE.match(text):
@@ -73,7 +73,7 @@ def _parallel_sizes(strategy: str, options: dict, base: tuple) -> tuple[dict[str
         value = options.get(key)
         if attr not in sizes or value is None:
             continue
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        if schema.is_int(value) and value >= 1:
             sizes[attr] = value
         else:
             problems.append(Problem(base + ("options", key), f"{value!r} is not a parallel size; expected an integer "

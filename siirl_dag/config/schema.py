@@ -25,14 +25,24 @@ SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
 _JSON_TYPES = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a float", type(None): "null"}
 
 
+def is_int(value: Any) -> bool:
+    """A real int: JSON Schema's integer also takes 2.0, which later fails in range() or numpy, and
+    Python's bool is an int."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: Any) -> bool:
+    """A non-negative integer that fits int64 (JSON allows any size)."""
+    return is_int(value) and 0 <= value < 2**63
+
+
 def _is_integer(checker, instance) -> bool:
-    """A real int: JSON Schema also accepts 2.0, which later fails in range() or numpy."""
-    return isinstance(instance, int) and not isinstance(instance, bool)
+    return is_int(instance)
 
 
 def _is_number(checker, instance) -> bool:
     """A finite number: NaN passes every minimum/maximum comparison, and no setting is infinite."""
-    return _is_integer(checker, instance) or (isinstance(instance, float) and math.isfinite(instance))
+    return is_int(instance) or (isinstance(instance, float) and math.isfinite(instance))
 
 
 # The validator every schema of the project is checked with (pipelines, node params, strategy options).

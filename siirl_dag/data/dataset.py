@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from siirl_dag.config.schema import is_count
 from siirl_dag.errors import ConfigError, PathPart, Problem
 
 MAX_PROBLEMS = 20  # enough to see the pattern; the rest are counted
@@ -28,11 +29,6 @@ def _prompt_type_ok(t: pa.DataType) -> bool:
         return False
     names = {t.value_type.field(i).name for i in range(t.value_type.num_fields)}
     return {"role", "content"} <= names
-
-
-def is_count(value) -> bool:
-    """A non-negative integer that fits int64: JSON allows any size, and a bool is an int in Python."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def _unreadable(path: str, where: tuple, exc: Exception) -> Problem:

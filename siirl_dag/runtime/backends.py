@@ -40,8 +40,7 @@ class LocalBackend:
             value = getattr(worker, method)(*args, **kwargs)
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as exc:  # noqa: BLE001 - delivered at `get`, as Ray does (torch's CheckpointException
-            # is a BaseException)
+        except BaseException as exc:  # noqa: BLE001 - delivered at `get`, as Ray does (torch's CheckpointException is one)
             return [_Done(error=exc)] * num_returns if num_returns > 1 else _Done(error=exc)
         return [_Done(v) for v in value] if num_returns > 1 else _Done(value)
 

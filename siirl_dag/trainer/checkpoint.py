@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
-from siirl_dag.data.dataset import is_count
+from siirl_dag.config.schema import is_count
 from siirl_dag.errors import ConfigError, PathPart, Problem
 
 _STEP = re.compile(r"^global_step_(\d+)$")

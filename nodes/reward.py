@@ -26,13 +26,13 @@ def _custom_scorer(node, pipeline) -> list[Problem]:
     return []
 
 
-def _gradable(params: dict, rows: list) -> list[str]:
+def _gradable(node, pipeline, data) -> list[str]:
     """With the built-in scorers, every data_source of the prompts needs one."""
     from nodes.algos import scorers
 
-    if params["scorer"] != "auto":
+    if node.params["scorer"] != "auto":
         return []
-    unknown = Counter(r["data_source"] for r in rows if r["data_source"] not in scorers.SCORERS)
+    unknown = Counter(r["data_source"] for r in data.rows if r["data_source"] not in scorers.SCORERS)
     return [f"{n} prompt(s) have data_source {source!r}, which no built-in scorer grades; expected one of "
             f"{', '.join(scorers.SCORERS)}, or a scorer of your own in params.scorer (module:function)"
             for source, n in sorted(unknown.items())]

@@ -25,8 +25,9 @@ class NodeKind:
     params_schema: str | None = None  # file under schemas/nodes/
     trains: bool = False  # updates weights of its model (a valid `weights_from` target)
     check: Callable[..., list] | None = None  # extra checks: check(node, pipeline) -> [Problem]
-    # checks of the prompts a run feeds it, before anything starts: check_data(params, rows) -> [message]
-    check_data: Callable[[dict, list], list[str]] | None = None
+    # checks of the prompts a run feeds it, before anything starts:
+    # check_data(node, pipeline, dataset) -> [message] (dataset: a data.PromptDataset)
+    check_data: Callable[..., list[str]] | None = None
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)

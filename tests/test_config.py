@@ -334,6 +334,44 @@ def test_prompts_no_scorer_grades_and_a_scorer_that_does_not_import_are_refused(
     assert "params.scorer: scorer 'no_such_module:score': cannot import module 'no_such_module'" in res.stderr
 
 
+def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path, tiny_model_dir):
+    """Counted as the engine tokenizes them (a chat list through the template), named by file and row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from siirl_dag.trainer.loop import Trainer
+
+    prompts = ["1+1=?"] * 6 + ["word " * 8, "x"]
+    pq.write_table(pa.table({"prompt": prompts, "data_source": ["gsm8k"] * 8, "ground_truth": ["2"] * 8}),
+                   tmp_path / "t.parquet")
+    chats = [[{"role": "user", "content": "1+1=?"}]] * 8
+    pq.write_table(pa.table({"prompt": chats, "data_source": ["gsm8k"] * 8, "ground_truth": ["2"] * 8}),
+                   tmp_path / "v.parquet")
+    text = BASE.replace("no/such/model", tiny_model_dir).replace(
+        "train_files: train.parquet", f"train_files: {tmp_path / 'v.parquet'}\n  val_files: {tmp_path / 't.parquet'}")
+    res = run_cli(str(write(tmp_path, text)), "data.max_prompt_length=32")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert (f":{line_of(text, 'val_files')}:3: data.val_files: node 'rollout': 1 of 8 prompts do not fit "
+            f"data.max_prompt_length = 32 tokens (chat_template: false): '{tmp_path / 't.parquet'}' row 6 has "
+            "40 tokens; expected 1 to 32 tokens") in res.stderr
+    assert "train_files" not in res.stderr  # the chat prompts are short even through the template
+    pipe = load_pipeline(write(tmp_path, text), ["data.max_prompt_length=8"], for_run=True)
+    with pytest.raises(ConfigError) as info:
+        Trainer(pipe)
+    train, val = info.value.problems
+    assert train.path == ("data", "train_files") and "8 of 8 prompts" in train.message
+    assert val.path == ("data", "val_files") and "1 of 8 prompts" in val.message
+    Trainer(load_pipeline(write(tmp_path, text), ["data.max_prompt_length=40"], for_run=True))
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text("{not json")
+    pipe = load_pipeline(write(tmp_path, text), [f"models.policy.tokenizer={tmp_path / 'tok'}"], for_run=True)
+    with pytest.raises(ConfigError) as info:
+        Trainer(pipe)
+    (p,) = info.value.problems
+    assert p.path == ("models", "policy", "tokenizer") and p.file == "<command line>"  # where it was written
+    assert f"the tokenizer in '{tmp_path / 'tok'}' does not load" in p.message
+
+
 def test_prompt_and_response_must_fit_the_rollout_context(tmp_path, tiny_model_dir):
     text = BASE.replace("options: {n: 4}", "options: {n: 4, max_model_len: 64}")
     (p,) = problems(tmp_path, text, ["data.max_prompt_length=60", "data.max_response_length=8"])

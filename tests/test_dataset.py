@@ -42,9 +42,12 @@ def test_loads_verl_layout_and_chat_prompts(tmp_path):
 
 
 def test_index_runs_over_all_files(tmp_path):
-    ds = PromptDataset([verl_file(tmp_path, 3, "a.parquet"), verl_file(tmp_path, 2, "b.parquet")])
+    files = [verl_file(tmp_path, 3, "a.parquet"), str(tmp_path / "empty.parquet"), verl_file(tmp_path, 2, "b.parquet")]
+    pq.write_table(pq.read_table(files[0]).slice(0, 0), files[1])
+    ds = PromptDataset(files)
     assert [r["index"] for r in ds.rows] == [0, 1, 2, 3, 4]
     assert ds[3]["raw_prompt"] == "Q: 0+1=? A:"
+    assert [ds.source(i) for i in (0, 2, 3, 4)] == [(files[0], 0), (files[0], 2), (files[2], 0), (files[2], 1)]
 
 
 def test_bad_rows_reported_together_with_file_row_and_column(tmp_path):

@@ -32,6 +32,18 @@ class ModelSpec:
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.path
 
+    def load_tokenizer(self):
+        """The model's HF tokenizer; one that does not load is a ConfigError at models.<name>.tokenizer
+        (or .path)."""
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
+        except Exception as exc:  # transformers and tokenizers raise many kinds for a bad folder
+            raise ConfigError(f"the tokenizer in '{self.tokenizer_path}' does not load ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); expected a Hugging Face tokenizer folder",
+                              ("models", self.name, "tokenizer" if self.tokenizer else "path")) from None
+
     def hf_config(self) -> dict | None:
         """The HF config.json merged with override_config, or None when the model is not on disk.
 

@@ -8,6 +8,7 @@ with file, row and column, all problems in one ConfigError.
 
 from __future__ import annotations
 
+import bisect
 import os
 from typing import Iterator, Sequence, Union
 
@@ -59,6 +60,8 @@ class PromptDataset:
             raise ConfigError("no data files given; expected one or more parquet files", config_path)
         self.prompt_key = prompt_key
         self.rows: list[dict] = []
+        self._starts: list[int] = []  # the index of each file's first row
+        self._files: list[str] = []
         problems: list[Problem] = []
         for k, f in enumerate(files):
             where = config_path + ((k,) if len(files) > 1 else ())
@@ -109,6 +112,8 @@ class PromptDataset:
         except (pa.ArrowException, OSError) as e:
             return [_unreadable(path, where, e)]
         start = len(self.rows)
+        self._starts.append(start)
+        self._files.append(path)
         for i, rec in enumerate(records):
             truth = rec["ground_truth"] if truth_column == "ground_truth" else (rec["reward_model"] or {}).get("ground_truth")
             checks = (
@@ -129,6 +134,11 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def source(self, index: int) -> tuple[str, int]:
+        """The file a row came from and its row number there (for messages about it)."""
+        k = bisect.bisect_right(self._starts, index) - 1
+        return self._files[k], index - self._starts[k]
 
     def __getitem__(self, i: int) -> dict:
         return self.rows[i]

@@ -76,9 +76,13 @@ class Trainer:
         for node in self.pipe.nodes.values():
             check = self.pipe.kinds[node.id].check_data
             for key, data in (("train_files", self.train_data), ("val_files", self.val_data)):
-                if check and data:
+                if not (check and data):
+                    continue
+                try:
                     problems += [Problem(("data", key), f"node '{node.id}': {message}")
-                                 for message in check(node.params, data.rows)]
+                                 for message in check(node, self.pipe, data)]
+                except ConfigError as exc:  # what the check needs is bad itself (a tokenizer that does not load)
+                    problems += [p for p in exc.problems if p not in problems]
         return problems
 
     # -- the run --------------------------------------------------------------------------------

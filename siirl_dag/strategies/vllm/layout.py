@@ -1,4 +1,4 @@
-"""Generated samples -> the batch layout of docs/ARCHITECTURE.md (verl convention).
+"""Prompts -> token ids, and generated samples -> the batch layout of docs/ARCHITECTURE.md (verl convention).
 
 Prompts are left-padded to P and responses right-padded to R, so position P+j-1 is always the
 logit that produced response token j, whatever the prompt length.
@@ -20,6 +20,20 @@ class Sample:
     token_ids: Sequence[int]
     logprobs: Sequence[float]  # log-prob of each token of token_ids under the sampler
     finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool) -> list[int]:
+    """Token ids as given; a chat list (the prompt column of verl-style data) always through the chat
+    template; a text through it as one user turn when `chat_template`, else raw. The engine and the
+    driver's check of prompt lengths before a run both tokenize here, so they agree."""
+    if isinstance(prompt, str) and not chat_template:
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    elif not (prompt and isinstance(prompt[0], dict)):
+        return list(prompt)
+    text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], max_prompt_length: int,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
-from siirl_dag.strategies.vllm.layout import Sample, pack_batch
+from siirl_dag.strategies.vllm.layout import Sample, pack_batch, prompt_token_ids
 from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
 
 log = logging.getLogger(__name__)
@@ -128,18 +128,6 @@ class VllmRollout(Strategy):
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm
 
-    def _tokenize(self, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool) -> list[int]:
-        """Token ids as given; a chat list (the prompt column of verl-style data) always through the chat
-        template; a text through it as one user turn when `chat_template`, else raw."""
-        if isinstance(prompt, str) and not chat_template:
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        elif not (prompt and isinstance(prompt[0], dict)):
-            return list(prompt)
-        text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def generate(self, prompts: Sequence[str | Sequence[int] | Sequence[dict]], sampling: dict[str, Any] | None,
                  max_prompt_length: int, max_response_length: int,
                  chat_template: bool | None = None) -> dict[str, Any]:
@@ -162,7 +150,7 @@ class VllmRollout(Strategy):
                                "before generate")
         kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
         use_chat = self.options["chat_template"] if chat_template is None else chat_template
-        prompt_ids = [self._tokenize(p, use_chat) for p in prompts]
+        prompt_ids = [prompt_token_ids(self.tokenizer, p, use_chat) for p in prompts]
         self._check_lengths(prompt_ids, max_prompt_length, max_response_length)
         seed, n = kw.pop("seed"), kw["n"]
         # Stop strings need detokenized text; without them decoding text is wasted work.

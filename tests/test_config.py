@@ -372,6 +372,15 @@ def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path
     assert f"the tokenizer in '{tmp_path / 'tok'}' does not load" in p.message
 
 
+def test_samples_per_prompt_above_vllms_limit_are_refused_at_validation(tmp_path, monkeypatch):
+    (p,) = problems(tmp_path, BASE, ["nodes.rollout.options.n=16386"])
+    assert p.path == ("nodes", 0, "options", "n") and p.file == "<command line>"
+    assert "16386 samples per prompt are above vLLM's limit; expected at most 16384" in p.message
+    load_pipeline(write(tmp_path, BASE), ["nodes.rollout.options.n=16384"])
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "20000")
+    load_pipeline(write(tmp_path, BASE), ["nodes.rollout.options.n=16386"])
+
+
 def test_prompt_and_response_must_fit_the_rollout_context(tmp_path, tiny_model_dir):
     text = BASE.replace("options: {n: 4}", "options: {n: 4, max_model_len: 64}")
     (p,) = problems(tmp_path, text, ["data.max_prompt_length=60", "data.max_response_length=8"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,20 @@ def resolve_options(options: dict[str, Any]) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     defaults = {k: p["default"] for k, p in schema()["properties"].items() if "default" in p}
-    return {**defaults, **options}
+    full = {**defaults, **options}
+    limit = max_samples_per_prompt()
+    if full["n"] > limit:  # vLLM's own check would fail the first rollout, after everything started
+        raise ConfigError([Problem(("options", "n"), f"{full['n']} samples per prompt are above vLLM's limit; expected "
+                                   f"at most {limit} (the environment variable VLLM_MAX_N_SEQUENCES raises it)")])
+    return full
+
+
+def max_samples_per_prompt() -> int:
+    """vLLM's limit on n (SamplingParams), read as vLLM reads it, without importing vLLM."""
+    try:
+        return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
+    except ValueError:
+        return 16384
 
 
 def dtype_options(dtype: str, written: dict[str, Any]) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def test_grpo_through_ray(tmp_path, tiny_model_dir, demo_data, layout):
     ckpt = tmp_path / "ckpt" / "global_step_2"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["versions"] == {"actor_update": 2} and state["synced"] == {"rollout": 2}
-    assert (tmp_path / "hf" / "actor_update" / "config.json").is_file(), "the final actor is exported for HF"
+    assert (ckpt / "actor_update.hf" / "config.json").is_file(), "the final actor is exported for HF"
 
 
 def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data):

@@ -53,5 +53,5 @@ def test_ppo_critic_pipeline_through_ray(tmp_path, tiny_model_dir, demo_data):  
         assert step["critic/vf_loss"] > 0 and step["critic/grad_norm"] > 0 and step["critic/lr"] > 0
     state = json.loads((tmp_path / "ckpt" / "global_step_2" / "trainer_state.json").read_text())
     assert state["versions"] == {"actor_update": 2, "critic_update": 2}
-    config = json.loads((tmp_path / "hf" / "critic_update" / "config.json").read_text())
+    config = json.loads((tmp_path / "ckpt" / "global_step_2" / "critic_update.hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForTokenClassification"], "the critic is exported as a value model"

@@ -183,7 +183,10 @@ class Trainer:
         self.progress(f"[trainer] resumed from {path} at step {self.step}")
 
     def export_hf(self) -> None:
+        """Into the final step's checkpoint folder (as verl does), as <node>.hf beside the node's engine
+        checkpoint (no node id has a dot): the folder is this run's alone, so two runs never export
+        over each other, and the export sits beside the state it came from."""
         for node in self.trainers:
-            folder = (self.ckpt_dir.parent / "hf" / node).resolve()
+            folder = (self.ckpt_dir / f"global_step_{self.step}" / f"{node}.hf").resolve()
             self.rt.engine_call(node, "save_hf", str(folder))
             self.progress(f"[trainer] exported {node} as Hugging Face safetensors to {folder}")

@@ -64,9 +64,12 @@ class FakeRuntime:
 
 
 @pytest.fixture
-def tmp(tmp_path):
+def tmp(tmp_path, tiny_model_dir):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(MODEL))
+    for f in Path(tiny_model_dir).iterdir():  # a real tokenizer: the trainer counts prompt tokens
+        if f.name != "config.json" and f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / "model")
     write_data(tmp_path, 20)
     return tmp_path
 
@@ -212,10 +215,10 @@ def test_an_engine_that_cannot_load_fails_as_one_line(tmp):
     """A truncated shard shows only when the engines load: a PipelineError (exit 1), no traceback."""
     folder = write_checkpoint(tmp, 2)
     trainer = Trainer(pipeline(tmp))
+    assert trainer.resume.path == folder
     # what torch's loader raises for a shard cut short: a BaseException, carrying each rank's traceback
-    trainer.rt = FakeRuntime(fail=CheckpointException("read", {0: (EOFError(), traceback.extract_stack())}))
     with pytest.raises(PipelineError) as err:
-        trainer._restore_engines(folder)
+        trainer._restore_engines(FakeRuntime(fail=CheckpointException("read", {0: (EOFError(), traceback.extract_stack())})))
     assert str(err.value).startswith(f"resuming from {folder}: node 'actor_update' could not load "
                                      f"{(folder / 'actor_update').resolve()} (CheckpointException: EOFError); "
                                      "expected an intact checkpoint")

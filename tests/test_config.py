@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -370,6 +371,12 @@ def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path
     (p,) = info.value.problems
     assert p.path == ("models", "policy", "tokenizer") and p.file == "<command line>"  # where it was written
     assert f"the tokenizer in '{tmp_path / 'tok'}' does not load" in p.message
+    (tmp_path / "tok" / "tokenizer_config.json").unlink()  # a model's config alone: transformers makes an empty tokenizer
+    shutil.copy(Path(tiny_model_dir) / "config.json", tmp_path / "tok")
+    with pytest.raises(ConfigError) as info:
+        Trainer(pipe)
+    (p,) = info.value.problems
+    assert f"'{tmp_path / 'tok'}' holds no tokenizer (no vocabulary)" in p.message
 
 
 def test_samples_per_prompt_above_vllms_limit_are_refused_at_validation(tmp_path, monkeypatch):

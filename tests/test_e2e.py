@@ -57,7 +57,10 @@ def launch(tmp_path, model, data, meshes=SEPARATE, devices=2, backend="ray", *ov
 
 
 def run(*args):
-    res = launch(*args)
+    return parsed(launch(*args))
+
+
+def parsed(res: subprocess.CompletedProcess) -> dict:
     assert res.returncode == 0, res.stderr[-4000:]
     out = "\n" + res.stdout  # Ray forwards worker logs to stdout too: the JSON is the last "{" block
     return json.loads(out[out.rindex("\n{\n") + 1:])
@@ -92,9 +95,13 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data):
                    "trainer.total_steps=4", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
     run(tmp_path / "b", tiny_model_dir, demo_data, SEPARATE, 2, "local",
         "trainer.total_steps=2", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
-    resumed = run(tmp_path / "b", tiny_model_dir, demo_data, SEPARATE, 2, "local",
-                  "trainer.total_steps=4", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
+    res = launch(tmp_path / "b", tiny_model_dir, demo_data, SEPARATE, 2, "local",
+                 "trainer.total_steps=4", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
+    resumed = parsed(res)
     assert set(resumed["steps"]) == {"3", "4"}
+    # the checkpoint loads before the start-up sync: the rollout is synced once, straight to its weights
+    assert [line.split(" (")[0] for line in res.stderr.splitlines() if "weights synced" in line] == \
+        ["[runtime] weights synced: rollout <- actor_update v2"]
     for step in ("3", "4"):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)

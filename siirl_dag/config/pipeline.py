@@ -37,12 +37,16 @@ class ModelSpec:
         (or .path)."""
         from transformers import AutoTokenizer
 
+        where, expected = ("models", self.name, "tokenizer" if self.tokenizer else "path"), \
+            "expected a Hugging Face tokenizer folder"
         try:
-            return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
         except Exception as exc:  # transformers and tokenizers raise many kinds for a bad folder
             raise ConfigError(f"the tokenizer in '{self.tokenizer_path}' does not load ({type(exc).__name__}: "
-                              f"{str(exc)[:300]}); expected a Hugging Face tokenizer folder",
-                              ("models", self.name, "tokenizer" if self.tokenizer else "path")) from None
+                              f"{str(exc)[:300]}); {expected}", where) from None
+        if len(tokenizer) < 2:  # transformers makes an empty one from a folder without tokenizer files
+            raise ConfigError(f"'{self.tokenizer_path}' holds no tokenizer (no vocabulary); {expected}", where)
+        return tokenizer
 
     def hf_config(self) -> dict | None:
         """The HF config.json merged with override_config, or None when the model is not on disk.

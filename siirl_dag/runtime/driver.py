@@ -57,8 +57,10 @@ class _Running:
 
 
 class Runtime:
-    def __init__(self, pipeline, address: str | None = None, progress=print):
-        self.pipe, self.progress = pipeline, progress
+    def __init__(self, pipeline, address: str | None = None, progress=print, on_built=None):
+        """`on_built(runtime)` runs once the engines are built, before the start-up weight sync
+        (a resume loads the checkpoint there, so the rollouts are synced once, to its weights)."""
+        self.pipe, self.progress, self.on_built = pipeline, progress, on_built
         backend = pipeline.runtime.backend
         self.backend = RayBackend(pipeline, address) if backend == "ray" else LocalBackend(pipeline)
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
@@ -105,8 +107,13 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
+        if self.on_built:
+            self.on_built(self)
         # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
-        self.sync_weights()
+        took = self.sync_weights().get("timing_s/sync_weights", 0.0)
+        if self.synced:
+            pairs = ", ".join(f"{dst} <- {self.pipe.nodes[dst].weights_from} v{v}" for dst, v in self.synced.items())
+            progress(f"[runtime] weights synced: {pairs} ({took:.2f} s)")
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
     def _create_group(self, group: str) -> list:

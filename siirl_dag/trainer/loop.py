@@ -13,7 +13,6 @@ from pathlib import Path
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.runtime import Batch, PipelineError, Runtime
-from siirl_dag.runtime.driver import NOT_SYNCED
 from siirl_dag.trainer import checkpoint
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
@@ -91,10 +90,9 @@ class Trainer:
             self.progress(f"[trainer] {self.resume.path} is at step {self.step} of {self.total_steps}: nothing to train. "
                           "Raise trainer.total_steps to continue, or start afresh with a new trainer.experiment_name.")
             return {"steps": {}}
-        with Runtime(self.pipe, self.address, self.progress) as rt:
+        restore = self._restore_engines if self.resume.path else None
+        with Runtime(self.pipe, self.address, self.progress, on_built=restore) as rt:
             self.rt = rt
-            if self.resume.path:
-                self._restore_engines(self.resume.path)
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
             history: dict = {"steps": {}}
             try:
@@ -165,21 +163,22 @@ class Trainer:
 
         return checkpoint.save(self.ckpt_dir, self.step, self._state(), write_engines, self.pipe.trainer.max_ckpt_to_keep)
 
-    def _restore_engines(self, path: Path) -> None:
-        """The engines' side of a resume; what only they can see (a truncated shard) fails as one line."""
+    def _restore_engines(self, rt) -> None:
+        """The engines' side of a resume, run by Runtime.start before its weight sync (which then brings
+        the rollouts to the checkpoint's versions); what only the engines can see (a truncated shard)
+        fails as one line."""
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+        path = self.resume.path
         for node in self.trainers:
             folder = (path / node).resolve()
             try:
-                self.rt.engine_call(node, "load_checkpoint", str(folder))
+                rt.engine_call(node, "load_checkpoint", str(folder))
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint the engine cannot load
                 raise PipelineError(f"resuming from {path}: node '{node}' could not load {folder} ({_last_line(exc)}); "
                                     "expected an intact checkpoint of this model: remove it (auto resumes from the "
                                     "newest complete one) or name another with trainer.resume_from_path") from None
-        self.rt.versions.update(self.resume.state["versions"])
-        self.rt.synced.update({k: NOT_SYNCED for k in self.resume.state["synced"]})  # the trainers' weights changed: resync
-        self.rt.sync_weights()
+        rt.versions.update(self.resume.state["versions"])
         self.progress(f"[trainer] resumed from {path} at step {self.step}")
 
     def export_hf(self) -> None:

@@ -362,7 +362,8 @@ def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path
     train, val = info.value.problems
     assert train.path == ("data", "train_files") and "8 of 8 prompts" in train.message
     assert val.path == ("data", "val_files") and "1 of 8 prompts" in val.message
-    Trainer(load_pipeline(write(tmp_path, text), ["data.max_prompt_length=40"], for_run=True))
+    model = Trainer(load_pipeline(write(tmp_path, text), ["data.max_prompt_length=40"], for_run=True)).pipe.models["policy"]
+    assert model.load_tokenizer() is model.load_tokenizer(), "read once per process (the reward decodes every step)"
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer_config.json").write_text("{not json")
     pipe = load_pipeline(write(tmp_path, text), [f"models.policy.tokenizer={tmp_path / 'tok'}"], for_run=True)

@@ -5,6 +5,7 @@ Everything downstream (placement, runtime, visualize) reads these objects and tr
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,14 +34,12 @@ class ModelSpec:
         return self.tokenizer or self.path
 
     def load_tokenizer(self):
-        """The model's HF tokenizer; one that does not load is a ConfigError at models.<name>.tokenizer
-        (or .path)."""
-        from transformers import AutoTokenizer
-
+        """The model's HF tokenizer, loaded once per process; one that does not load is a ConfigError
+        at models.<name>.tokenizer (or .path)."""
         where, expected = ("models", self.name, "tokenizer" if self.tokenizer else "path"), \
             "expected a Hugging Face tokenizer folder"
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=self.trust_remote_code)
+            tokenizer = _tokenizer(self.tokenizer_path, self.trust_remote_code)
         except Exception as exc:  # transformers and tokenizers raise many kinds for a bad folder
             raise ConfigError(f"the tokenizer in '{self.tokenizer_path}' does not load ({type(exc).__name__}: "
                               f"{str(exc)[:300]}); {expected}", where) from None
@@ -76,6 +75,13 @@ class ModelSpec:
         if problems:
             raise ConfigError(problems)
         return base
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 @dataclass(frozen=True)

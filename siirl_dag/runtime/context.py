@@ -17,7 +17,7 @@ class NodeContext:
     batch: Batch  # this rank's input rows
     engine: Any = None  # the Strategy instance of a model node, None for compute nodes
     data: Any = None  # DataSpec: max lengths, batch sizes
-    tokenizer_path: str | None = None
+    tokenizer_model: Any = None  # the ModelSpec whose tokenizer decodes this node's tokens
     step: int = 0
     validating: bool = False
     rank: int = 0
@@ -36,11 +36,9 @@ class NodeContext:
     def options(self) -> dict:
         return self.node.options
 
-    @cached_property
+    @property
     def tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self.tokenizer_model.load_tokenizer()
 
     @cached_property
     def generator(self) -> torch.Generator:

@@ -173,12 +173,11 @@ class Runtime:
             out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
         return out
 
-    def _tokenizer_for(self, node) -> str | None:
-        """A model node's own tokenizer; a compute node gets the nearest upstream model's."""
-        if node.model:
-            return self.pipe.models[node.model].tokenizer_path
-        model = next((self.pipe.nodes[up].model for up in self.upstream[node.id] if self.pipe.nodes[up].model), None)
-        return self.pipe.models[model].tokenizer_path if model else None
+    def _tokenizer_for(self, node):
+        """The model whose tokenizer a node uses: its own; a compute node's nearest upstream model's."""
+        model = node.model or next((self.pipe.nodes[up].model for up in self.upstream[node.id]
+                                    if self.pipe.nodes[up].model), None)
+        return self.pipe.models[model] if model else None
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, source: Batch, step: int, validating: bool = False, nodes: Iterable[str] | None = None) -> StepResult:

@@ -28,7 +28,7 @@ class RoleSpec:
     strategy_ref: str | None  # "module:Class" of the engine, resolved by the driver from the registry
     model: Any  # ModelSpec or None
     data: Any  # DataSpec
-    tokenizer_path: str | None
+    tokenizer_model: Any  # ModelSpec (its tokenizer) or None
     rank_ctx: RankContext
     dp_rank: int
     dp_size: int
@@ -107,7 +107,7 @@ class RankWorker:
             self._activate(role.engine_key)
             batch = _assemble(inputs, shards)
             ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
-                              tokenizer_path=role.tokenizer_path, step=step, validating=validating, rank=self.rank,
+                              tokenizer_model=role.tokenizer_model, step=step, validating=validating, rank=self.rank,
                               dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed,
                               samples_per_prompt=role.samples_per_prompt, min_weights_version=min_weights_version)
             out = role.kind.fn(batch, ctx) or {}

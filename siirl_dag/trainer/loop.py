@@ -108,11 +108,11 @@ class Trainer:
                         metrics.update(self.validate())
                         history["val_last"] = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
                     if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
-                        self.save()
+                        saved = self.save()
                     log.log(self.step, metrics)
                     history["steps"][self.step] = metrics
                 if t.export_hf and self.trainers:
-                    self.export_hf()
+                    self.export_hf(saved)  # the last step is always saved
             finally:
                 log.close()
             return history
@@ -181,11 +181,11 @@ class Trainer:
         rt.versions.update(self.resume.state["versions"])
         self.progress(f"[trainer] resumed from {path} at step {self.step}")
 
-    def export_hf(self) -> None:
+    def export_hf(self, checkpoint_folder: Path) -> None:
         """Into the final step's checkpoint folder (as verl does), as <node>.hf beside the node's engine
         checkpoint (no node id has a dot): the folder is this run's alone, so two runs never export
         over each other, and the export sits beside the state it came from."""
         for node in self.trainers:
-            folder = (self.ckpt_dir / f"global_step_{self.step}" / f"{node}.hf").resolve()
+            folder = (checkpoint_folder / f"{node}.hf").resolve()
             self.rt.engine_call(node, "save_hf", str(folder))
             self.progress(f"[trainer] exported {node} as Hugging Face safetensors to {folder}")

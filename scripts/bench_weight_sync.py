@@ -1,7 +1,7 @@
 """Weight sync trainer -> rollout on a model big enough to matter, against a memcpy of the same bytes.
 
     python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--bucket-mb 32]
-        [--train d1] [--transport object_store|collective] [--repeats 6] [--plain-weights]
+        [--train d1] [--transport object_store|collective] [--repeats 6] [--plain-weights] [--channel-only]
 
 Builds a random Qwen2-style model (fp32), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
 twice, with the rollout colocated on the trainer's rank and on a mesh of its own, and syncs the
@@ -12,7 +12,9 @@ for separate meshes also two such copies in two processes at once (a floor for t
 and the per-stage breakdown: export (the trainer's gather of its shards + HF conversion, one walk in
 hf_convert), send (the trainer handing buckets over: the object-store write or the broadcast, and
 any wait for a slower consumer), load (vLLM taking the tensors, incl. its CPU repacking), and wait
-(rollout idle for lack of a bucket; export and load overlap bucket by bucket).
+(rollout idle for lack of a bucket; export and load overlap bucket by bucket). Separate meshes over
+the object store write straight into the rollout's parameters after the first sync (unless
+--channel-only): write is the trainer's copies, load the rollout's finish (the repack) after them.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ nodes:
      params: {{mini_batch_size: 4}}}}
 runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}}}
 """
-STAGES = ("sync/gather_s", "sync/send_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
+STAGES = ("sync/gather_s", "sync/send_s", "sync/write_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
 
 
 class Memcpy:
@@ -110,7 +112,7 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
                                  bucket_mb=args.bucket_mb, packed=str(not args.plain_weights).lower()))
     runs, copies = [], []
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
-        sync = WeightSync(rt)
+        sync = WeightSync(rt, direct=not args.channel_only)
         # the first sync pays one-time costs (first object-store use, imports); each later one is
         # preceded by a memcpy of its bytes, so the machine's drift during the run cancels in the ratio
         warmup = sync("actor_update", "rollout", 1, transport=args.transport)
@@ -123,7 +125,9 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     times = [r["timing_s/sync_weights"] for r in runs]
     total, copy = statistics.median(times), statistics.median(copies)
     ratio = statistics.median(t / c for t, c in zip(times, copies))
-    out = {"layout": layout, "train": args.train, "transport": None if layout == "colocated" else args.transport,
+    how = None if layout == "colocated" else args.transport + ("" if args.channel_only or args.transport != "object_store"
+                                                                else " + direct writes")
+    out = {"layout": layout, "train": args.train, "transport": how,
            "bytes": nbytes, "buckets": warmup.get("sync/buckets"), "sync_s": round(total, 4), "sync_min_s": round(min(times), 4),
            "memcpy_s": round(copy, 4), "ratio_to_memcpy": round(ratio, 2), "target_ratio": 3.0,
            "sync_GBps": round(nbytes / total / 1e9, 3)}
@@ -144,6 +148,9 @@ def main() -> None:
     ap.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
     ap.add_argument("--layouts", default="colocated,separate")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--channel-only", action="store_true",
+                    help="separate meshes over the object store: every sync through the shared-memory channel "
+                         "(by default only the first, then the trainer writes into the rollout's parameters)")
     ap.add_argument("--plain-weights", action="store_true",
                     help="vLLM option cpu_packed_weights: false (updates copy into place; slower decoding)")
     args = ap.parse_args()

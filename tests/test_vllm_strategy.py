@@ -229,34 +229,54 @@ def test_offload_onload_keep_the_engine_usable(vllm_engine):
 
 # --- in fresh processes: tensor parallel over two gloo ranks, and an MoE model ---------------------
 
-def _rank_main(rank, world, sizes, model_dir, update_path, options):
-    """One rank (gloo group made by dist_utils): greedy rollout, weight update from a file, greedy again."""
+def _rank_main(rank, world, sizes, model_dir, update_path, options, direct_path=None):
+    """One rank (gloo group made by dist_utils): greedy rollout, weight update from a file, greedy again.
+    With `direct_path`, the update's load is recorded and a second update (that file) is written
+    straight into the shared parameters as a trainer would (weight_sync.direct), then greedy again."""
     from conftest import VLLM_TEST_OPTIONS
+    from siirl_dag.weight_sync.buckets import Buckets
+    from siirl_dag.weight_sync.direct import Targets
+    from siirl_dag.weight_sync.rank import InlinePipe, RankSync
 
     engine = VllmRollout(RankContext(rank, world, sizes=sizes), model_dir, {**VLLM_TEST_OPTIONS, **options})
     before = engine.generate(PROMPTS, {"greedy": True}, P, R)
-    engine.load_weights(load_file(update_path).items(), version=1)
+    if direct_path is None:
+        engine.load_weights(load_file(update_path).items(), version=1)
+    else:
+        sync = RankSync({"r": engine})
+        assert sync.share("r")
+        pipe = InlinePipe(Buckets(load_file(update_path).items(), 1 << 16))
+        plan = sync.receive("r", 1, pipe, True)["plan"]
     after = engine.generate(PROMPTS, {"greedy": True}, P, R)
+    outs = (before, after)
+    if direct_path is not None:
+        assert sync.expect("r", plan.path)
+        Targets([plan]).write(load_file(direct_path).items())
+        sync.written("r", 2)
+        outs += (engine.generate(PROMPTS, {"greedy": True}, P, R),)
     engine.close()
-    return before, after
+    return outs
 
 
 # d1t2 keeps CPU weights plain (updates copy into place), d2t2 packs them (updates repack)
 @pytest.mark.parametrize("dp, packed", [(1, False), (2, True)], ids=["d1t2-plain", "d2t2-packed"])
 def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp, packed):
-    """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch."""
-    perturbed = perturb(checkpoint(tiny_model_dir), seed=1)
+    """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch.
+    The second update is written into each rank's shard by replaying its recorded load (direct)."""
+    perturbed, again = perturb(checkpoint(tiny_model_dir), seed=1), perturb(checkpoint(tiny_model_dir), seed=3)
     save_file(perturbed, tmp_path / "update.safetensors")
+    save_file(again, tmp_path / "direct.safetensors")
     outs = run_ranks(_rank_main, 2 * dp, {"dp": dp, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"),
-                     {"cpu_packed_weights": packed}, timeout=400)
+                     {"cpu_packed_weights": packed}, str(tmp_path / "direct.safetensors"), timeout=400)
     reference = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
-    ref_after = hf_model(tiny_model_dir, perturbed)
-    for before, after in outs:  # both ranks of the one engine return the same batch
+    ref_after, ref_direct = hf_model(tiny_model_dir, perturbed), hf_model(tiny_model_dir, again)
+    for before, after, direct in outs:  # both ranks of the one engine return the same batch
         assert torch.equal(before["responses"], reference["responses"])
         torch.testing.assert_close(before["rollout_logprobs"], reference["rollout_logprobs"], atol=1e-5, rtol=0)
-        mask = after["response_mask"].bool()
-        torch.testing.assert_close(after["rollout_logprobs"][mask], hf_logprobs(ref_after, after)[mask],
-                                   atol=1e-4, rtol=0)
+        for batch, model in ((after, ref_after), (direct, ref_direct)):
+            mask = batch["response_mask"].bool()
+            torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(model, batch)[mask],
+                                       atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])

@@ -1,7 +1,8 @@
 """Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train
 one step, the new weights stream into vLLM engines on a separate mesh (object store, or a gloo
 process group) and on the trainer's own ranks (in-process handoff), and vLLM's log-probs of what it
-samples then equal Megatron's. Plus the pieces alone: buckets, the shared-memory channel between two
+samples then equal Megatron's; a later step's weights go straight into vLLM's parameters (direct
+writes). Plus the pieces alone: buckets, the shared-memory channel between two
 Ray actors, and the driver's protocol in one process."""
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         assert rt.synced == {"rollout": 1, "colo_rollout": 1}
 
         assert_same_logprobs(sampled_logprobs(rt, "colo_rollout", "colo_logprob", 8))
+
+        # the runtime's own pipe (object store) recorded the rollout's last load: after another
+        # update, the trainer's rank 0 writes straight into vLLM's parameters; vLLM's CPU MoE
+        # kernel replaces its expert parameters after every load, so MoE keeps the channel
+        rt.run_step(prompts(12), step=2, nodes=TRAIN_STEP)
+        later = rt.sync_weights()
+        if moe:
+            assert later["sync/rollout/buckets"] > 5 and "sync/rollout/write_s" not in later
+        else:
+            assert later["sync/rollout/write_s"] > 0 and "sync/rollout/buckets" not in later
+        assert later["sync/rollout/bytes"] == metrics["sync/bytes"]
+        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 12))
 
 
 # --- the streaming pieces alone ------------------------------------------------------------------

@@ -9,7 +9,9 @@ rollout engine (each shards them for its own TP), stamped with the trainer's ver
   rollout rank reads into one engine load (`rank`); the driver only starts the ranks' parts and
   waits (`sync`). The pipe is a ring of shared-memory buffers in Ray's object store, reused from
   sync to sync (`channel`), or, on GPUs and across machines, a broadcast over a process group of
-  the trainer's rank 0 and the rollout ranks (`collective`: NCCL, or gloo on CPU).
+  the trainer's rank 0 and the rollout ranks (`collective`: NCCL, or gloo on CPU). After a first
+  sync through the channel, the trainer's rank 0 writes straight into the rollout's parameters,
+  shared with it (`direct`): one copy per tensor instead of two.
 
 The rollout refuses to generate with weights older than the trainer's version minus
 runtime.staleness (`NodeContext.check_weights_version`), and after a load that failed part-way at

@@ -8,12 +8,16 @@ The driver calls these steps through `RankWorker.weight_sync(op, ...)`, all at o
 The pipe is made once per trainer -> rollout pair: a Ray shared-memory channel (`open_channel` on
 the keeper, `attach` on the rollout ranks) or a process group (`join`); with
 runtime.backend=local the rollout reads the keeper's export directly (`inline`).
+Over a channel, the rollout ranks may `share` their parameters and record their first load
+(`receive(..., record=True)`); the keeper then `target`s them and later syncs are `expect`, the
+keeper's `write` straight into the rollout's parameters, and `written` (see `direct`).
 A pipe's capacity (two channel buffers, or a broadcast's rendezvous) paces the trainer to the
 rollout, so at most a few buckets exist at a time, whatever the model size.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import suppress
 from typing import Any
@@ -23,6 +27,9 @@ import torch
 from siirl_dag.weight_sync.buckets import Aborted, Buckets, nbytes, timed
 from siirl_dag.weight_sync.channel import ChannelPipe
 from siirl_dag.weight_sync.collective import SyncGroup
+from siirl_dag.weight_sync.direct import Recorder, Segment, Targets
+
+log = logging.getLogger(__name__)
 
 
 class InlinePipe:
@@ -39,6 +46,8 @@ class RankSync:
     def __init__(self, engines: dict):
         self.engines = engines
         self.pipes: dict[str, Any] = {}  # name -> ChannelPipe | SyncGroup, kept from sync to sync
+        self.segments: dict[str, Segment] = {}  # rollout engine key -> its parameters' shared memory
+        self.targets: dict[str, Targets] = {}  # pipe name -> the rollout parameters the keeper writes
 
     # -- set-up, once per trainer -> rollout pair ------------------------------------------------
     def join(self, name: str, address: str, port: int, rank: int, world_size: int, device: str) -> None:
@@ -55,6 +64,7 @@ class RankSync:
 
     def forget(self, name: str) -> None:
         """The pipe failed a sync: free this end (a channel's buffers, a group's sockets and thread)."""
+        self.targets.pop(name, None)
         pipe = self.pipes.pop(name, None)
         if pipe is not None:
             with suppress(Exception):  # a channel the driver closed already
@@ -89,6 +99,26 @@ class RankSync:
             raise
         return {**stats, **buckets.stats}
 
+    def target(self, pipe: str, plans: list) -> None:
+        """Map every rollout rank's recorded plan: later syncs over `pipe` may `write`."""
+        self.targets[pipe] = Targets(plans)
+
+    def write(self, engine_key: str, pipe: str) -> dict:
+        """The keeper: the export straight into the rollout ranks' parameters. `sync/write_s` is the
+        time spent copying."""
+        stats = {"sync/gather_s": 0.0}
+        export = timed(self.engines[engine_key].export_hf_weights(copy=False, first_rank_only=True),
+                       stats, "sync/gather_s")
+        t0 = time.perf_counter()
+        try:
+            stats["sync/bytes"] = self.targets[pipe].write(export)
+        finally:  # the other trainer ranks finish their collective walk
+            with suppress(Exception):
+                for _ in export:
+                    pass
+        stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"]
+        return stats
+
     def inline(self, engine_key: str, bucket_bytes: int) -> InlinePipe:
         return InlinePipe(self._buckets(engine_key, bucket_bytes))
 
@@ -96,12 +126,31 @@ class RankSync:
         return Buckets(self.engines[engine_key].export_hf_weights(copy=False, first_rank_only=True), bucket_bytes)
 
     # -- rollout ranks --------------------------------------------------------------------------
-    def receive(self, engine_key: str, version: int, pipe: str | InlinePipe) -> dict:
+    def share(self, engine_key: str) -> str | None:
+        """Move the engine's parameters into a new shared-memory file, for a keeper to write into;
+        None if the engine cannot (no such method, or parameters on a GPU)."""
+        engine = self.engines[engine_key]
+        if not hasattr(engine, "weight_parameters"):
+            return None
+        try:
+            segment = Segment(engine.weight_parameters())
+        except ValueError as exc:
+            log.warning("weight sync into %s stays on the channel: %s", engine_key, exc)
+            return None
+        if engine_key in self.segments:  # an older pipe's file, if its keeper never mapped it
+            self.segments[engine_key].unlink()
+        self.segments[engine_key] = segment
+        return self.segments[engine_key].path
+
+    def receive(self, engine_key: str, version: int, pipe: str | InlinePipe, record: bool = False) -> dict:
         """Load every bucket of the pipe into the engine, which stamps `version` at the end. If the
-        engine fails, the rest of the stream is still read (and dropped), so the trainer finishes."""
+        engine fails, the rest of the stream is still read (and dropped), so the trainer finishes.
+        `record` (after `share`): the stats carry the load's `direct.Plan` under "plan", or None
+        and the reason under "plan_problem"."""
         pipe = self.pipes[pipe] if isinstance(pipe, str) else pipe
         stats, ended = {"sync/wait_s": 0.0}, False
         reads = timed(iter(pipe.read, None), stats, "sync/wait_s")
+        recorder = Recorder(self.segments[engine_key]) if record else None
 
         def tensors():
             nonlocal ended
@@ -110,7 +159,7 @@ class RankSync:
                 if isinstance(bucket, Aborted):
                     raise bucket.error()
                 ended = False
-                yield from bucket
+                yield from recorder.track(bucket) if recorder else bucket
                 ended = True
 
         def drop_the_rest() -> bool:
@@ -124,14 +173,42 @@ class RankSync:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():  # the engine loads in this thread's grad mode otherwise
-                self.engines[engine_key].load_weights(tensors(), version)
+                self.engines[engine_key].load_weights(tensors(), version, **({"watch": recorder} if recorder else {}))
+            if drop_the_rest():
+                raise RuntimeError("the rollout engine stopped reading weights before the stream ended")
         except Exception:
             drop_the_rest()
+            if recorder:
+                self.segments.pop(engine_key).unlink()
             raise
-        if drop_the_rest():
-            raise RuntimeError("the rollout engine stopped reading weights before the stream ended")
         stats["sync/load_s"] = time.perf_counter() - t0 - stats["sync/wait_s"]
-        return stats
+        return {**stats, **self._plan(engine_key, recorder)} if recorder else stats
+
+    def _plan(self, engine_key: str, recorder: Recorder) -> dict:
+        """The recorded load, if the engine still reads every parameter from the shared file (else
+        the file goes: no keeper will map it)."""
+        segment = self.segments[engine_key]
+        if any(p.untyped_storage().data_ptr() != segment.pointer for p in self.engines[engine_key].weight_parameters()):
+            recorder.problem = ("the engine replaced parameters after loading (vLLM's CPU MoE kernel re-packs "
+                                "its experts into new ones), so writes would not reach them")
+        plan = recorder.plan()
+        if plan is None:
+            self.segments.pop(engine_key).unlink()
+        return {"plan": plan, "plan_problem": recorder.problem}
+
+    def expect(self, engine_key: str, path: str) -> bool:
+        """Before a keeper writes: False if the engine's parameters are no longer in `path` (it
+        shared them again since); else the engine refuses to generate until `written`."""
+        segment = self.segments.get(engine_key)
+        if segment is None or segment.path != path:
+            return False
+        self.engines[engine_key].expect_weights()
+        return True
+
+    def written(self, engine_key: str, version: int) -> dict:
+        t0 = time.perf_counter()
+        self.engines[engine_key].weights_written(version)
+        return {"sync/load_s": time.perf_counter() - t0}
 
 
 def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:

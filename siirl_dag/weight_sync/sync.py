@@ -4,15 +4,19 @@ Separate meshes: the driver starts every rank's part of a sync at once (the keep
 other trainer ranks walk the export's collectives, every rollout rank receives) and waits for all
 of them; the buckets flow rank to rank through the pipe, never through the driver. If one part
 fails, the driver closes the pipe so no other part waits for it forever, and the ranks let it go.
+Over a shared-memory channel the first sync also records the rollout's load, and later ones have
+the keeper write straight into the rollout's parameters (`direct`), still started and awaited here.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from contextlib import suppress
 from typing import Any
 
+log = logging.getLogger(__name__)
 TRANSPORTS = ("object_store", "collective")
 _NAMES = itertools.count()  # pipes are named on the ranks; unique across WeightSync instances
 
@@ -20,8 +24,11 @@ _NAMES = itertools.count()  # pipes are named on the ranks; unique across Weight
 class WeightSync:
     """Pushes a trainer node's weights into a rollout node's engines (one per Runtime)."""
 
-    def __init__(self, runtime: Any):
-        self.rt = runtime
+    def __init__(self, runtime: Any, direct: bool = True):
+        """`direct`: between separate meshes on one CPU machine, record the rollout's first load
+        and write later syncs straight into its parameters (`direct`); False keeps the channel."""
+        self.rt, self.direct = runtime, direct
+        self._direct: dict[tuple[str, str], list[str] | None] = {}  # pair -> rollout ranks' files, None: not possible
         # (trainer node, rollout node) -> (what it was made for: transport, bucket size, member ids;
         # its name on the ranks; the channel, or None for a group; its members)
         self._pipes: dict[tuple[str, str], tuple[tuple, str, Any, list]] = {}
@@ -52,28 +59,74 @@ class WeightSync:
         return metrics
 
     def _stream(self, src_node: str, dst_node: str, version: int, transport: str) -> dict:
-        backend = self.rt.backend
+        backend, pair = self.rt.backend, (src_node, dst_node)
         src, dst = self.rt.roles[src_node], self.rt.roles[dst_node]
         bucket_bytes = int(self.rt.pipe.runtime.weight_sync_bucket_mb * 2**20)
         (keeper, role), walkers = src[0], src[1:]
         local = backend.name == "local"
         # the pipe first: if it cannot be made, no trainer rank has entered the export's collectives
         pipe = None if local else self._pipe(src_node, dst_node, transport, bucket_bytes)
+        record = False
+        if transport == "object_store" and not local and self.direct:
+            paths = self._direct.get(pair, [])
+            if paths and all(backend.get([backend.call(w, "weight_sync", "expect", r.engine_key, path)
+                                          for (w, r), path in zip(dst, paths)])):
+                return self._write(pair, version, pipe, bucket_bytes)
+            if paths is not None:  # never recorded, or a rollout rank moved its parameters since: record
+                record = None not in backend.get([backend.call(w, "weight_sync", "share", r.engine_key) for w, r in dst])
+                if not record:  # the engine has no CPU parameters to share
+                    self._direct[pair] = None
         calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
         if local:  # one process, one rank each: the rollout reads the trainer's export
             pipe = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes))
         else:
             calls.append(backend.call(keeper, "weight_sync", "send", role.engine_key, bucket_bytes, pipe))
-        loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe) for w, r in dst]
+        loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe, record) for w, r in dst]
         try:
             results = self._all(calls + loads)
         except Exception:
             if not local:
-                self._discard((src_node, dst_node))
+                self._discard(pair)
             raise
         stats = dict(pipe.buckets.stats if local else results[len(walkers)])
+        loads = results[-len(dst):]
         for key in ("sync/wait_s", "sync/load_s"):  # the slowest rollout rank
-            stats[key] = max(load[key] for load in results[-len(dst):])
+            stats[key] = max(load[key] for load in loads)
+        if record:
+            self._target(pair, keeper, pipe, loads)
+        return stats
+
+    def _target(self, pair: tuple[str, str], keeper: Any, pipe: str, loads: list[dict]) -> None:
+        """After a recorded load: the keeper maps every rollout rank's plan, so later syncs write
+        straight into the rollout (`direct`); a pair that cannot keeps the channel, said once."""
+        plans = [load.pop("plan") for load in loads]
+        problems = {load.pop("plan_problem") for load in loads} - {None}
+        if not problems:
+            try:
+                self.rt.backend.get(self.rt.backend.call(keeper, "weight_sync", "target", pipe, plans))
+                self._direct[pair] = [plan.path for plan in plans]
+                return
+            except Exception as exc:  # noqa: BLE001 - the sync itself succeeded
+                problems = {f"the trainer could not map the rollout's memory: {exc}"}
+        self._direct[pair] = None
+        log.warning("weight sync %s -> %s stays on the shared-memory channel (two copies per tensor): %s",
+                    *pair, "; ".join(sorted(problems)))
+
+    def _write(self, pair: tuple[str, str], version: int, pipe: str, bucket_bytes: int) -> dict:
+        """The keeper writes its export into the rollout ranks' parameters (which `expect`ed it),
+        the other trainer ranks walk the export, then every rollout rank finishes and stamps."""
+        backend, (src_node, dst_node) = self.rt.backend, pair
+        (keeper, role), walkers = self.rt.roles[src_node][0], self.rt.roles[src_node][1:]
+        calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
+        calls.append(backend.call(keeper, "weight_sync", "write", role.engine_key, pipe))
+        try:
+            stats = dict(self._all(calls)[-1])
+            loads = self._all([backend.call(w, "weight_sync", "written", r.engine_key, version)
+                               for w, r in self.rt.roles[dst_node]])
+        except Exception:
+            self._discard(pair)  # the rollout ranks keep refusing to generate until a sync succeeds
+            raise
+        stats["sync/load_s"] = max(load["sync/load_s"] for load in loads)
         return stats
 
     def _all(self, calls: list) -> list:
@@ -92,6 +145,7 @@ class WeightSync:
         it, each rank lets its end go once done with what it runs now (not awaited: a rank may be
         dead), and the next sync makes a new pipe."""
         _, name, closer, members = self._pipes.pop(pair)
+        self._direct.pop(pair, None)
         if closer is not None:
             with suppress(Exception):
                 closer.close()

@@ -109,10 +109,10 @@ def _repack(modules: Iterable[torch.nn.Module]) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def load_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Weight update on the CPU worker (`worker` is vLLM's worker; see the module doc)."""
+def finish_load(worker: Any) -> None:
+    """After new weights are in place on the CPU worker (`worker` is vLLM's worker): re-pack what
+    computes from packed copies (see the module doc)."""
     model = worker.model_runner.get_model()
-    model.load_weights(weights)
     _repack([m for m in model.modules() if _packed(m)])
     for layer in model.modules():
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)

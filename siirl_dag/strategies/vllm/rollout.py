@@ -179,26 +179,49 @@ class VllmRollout(Strategy):
                                        f"{max_prompt_length + max_response_length} exceeds the engine's "
                                        f"max_model_len={self.max_model_len}; raise it or shorten the lengths")])
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     watch: Any = None) -> float:
         """Replace the engine's weights in place with HF-named tensors; returns the seconds taken.
 
         `named_tensors` may be a generator (e.g. streaming buckets from the trainer): it is consumed
         once, tensor by tensor. Every tensor of a layer must be present (q, k and v together), since
-        vLLM re-fuses them. The prefix cache is reset so no KV state of the old weights survives.
+        vLLM re-fuses them. `watch` is a context entered around vLLM's loader (the weight sync's
+        recorder). The prefix cache is reset so no KV state of the old weights survives.
         """
-        if version < self.weights_version:
-            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+        self._check_version(version)
         start, tensors = time.perf_counter(), iter(named_tensors)
         try:
-            self.llm.collective_rpc("siirl_load_weights", args=(tensors,))
+            self.llm.collective_rpc("siirl_load_weights", args=(tensors, watch))
             if next(tensors, None) is not None:
                 raise RuntimeError("vLLM's weight loader returned before the last tensor")
         except BaseException:
             self._needs_weights = True  # some tensors may be new and the rest old: never generate from that
             raise
+        self._stamp(version)
+        return time.perf_counter() - start
+
+    def weight_parameters(self) -> list[torch.nn.Parameter]:
+        """The tensors `load_weights` writes into (a weight sync may move them into shared memory)."""
+        return self.llm.collective_rpc("siirl_parameters")[0]
+
+    def expect_weights(self) -> None:
+        """Another process is about to write the weights in place: refuse to generate until
+        `weights_written`."""
+        self._needs_weights = True
+
+    def weights_written(self, version: int) -> None:
+        """The weights of `version` are in place: finish the load (re-pack) and stamp it."""
+        self._check_version(version)
+        self.llm.collective_rpc("siirl_finish_load")
+        self._stamp(version)
+
+    def _check_version(self, version: int) -> None:
+        if version < self.weights_version:
+            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+
+    def _stamp(self, version: int) -> None:
         self.llm.reset_prefix_cache()
         self.weights_version, self._needs_weights = version, False
-        return time.perf_counter() - start
 
     def offload(self) -> None:
         """Free the device for a colocated trainer (vLLM sleep mode). A no-op on CPU."""

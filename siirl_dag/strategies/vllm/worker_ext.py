@@ -1,12 +1,13 @@
 """Methods mixed into vLLM's worker (`worker_extension_cls`), reached through `collective_rpc`.
 
-The engine runs in this process, so the weights iterator arrives by reference: tensors are consumed
-one by one as the worker loads them, never copied or pickled.
+The engine runs in this process, so arguments and results pass by reference: the weights iterator's
+tensors are consumed one by one as the worker loads them, never copied or pickled.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Any, Iterable
 
 import torch
 
@@ -16,9 +17,17 @@ from siirl_dag.strategies.vllm import cpu_compat
 class WeightSyncExtension:
     """Loaded by vLLM as a mixin of its worker class; `self` is the worker."""
 
-    def siirl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors in place (the model's own loader fuses qkv / gate_up and shards)."""
-        if cpu_compat.active():
-            cpu_compat.load_weights(self, weights)
-        else:
+    def siirl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], watch: Any = None) -> None:
+        """Load HF-named tensors in place (the model's own loader fuses qkv / gate_up and shards),
+        under `watch` (a context, e.g. the weight sync's recorder of the loader's copies) if given."""
+        with watch or contextlib.nullcontext():
             self.model_runner.get_model().load_weights(weights)
+        self.siirl_finish_load()
+
+    def siirl_finish_load(self) -> None:
+        """What follows new weights in place, however they got there."""
+        if cpu_compat.active():
+            cpu_compat.finish_load(self)
+
+    def siirl_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model_runner.get_model().parameters())

@@ -1,0 +1,220 @@
+"""Separate meshes on one CPU machine, after the first sync: the trainer's rank 0 writes its export
+straight into the rollout's parameters, one copy per tensor (through the channel every tensor is
+copied twice, into shared memory and out of it into the engine, on the same memory bus).
+
+How:
+- The rollout moves the parameters its loader writes into one shared-memory file (`Segment`).
+- It loads the first sync from the channel as usual while a dispatch mode (`Recorder`) records
+  every copy its loader makes into that file: which slice of which incoming tensor lands where.
+  vLLM's loaders only narrow and copy (fusing q/k/v and gate/up, cutting the rank's TP shard), so
+  the record, a `Plan`, is the loader itself, replayable without vLLM.
+- The keeper maps the file (`Targets`) and replays the plan on its export at every later sync;
+  the rollout then only finishes the load (re-packs packed layers) and stamps the version.
+A loader that does anything else to a parameter (a cast, a transpose, arithmetic) makes no plan,
+and that pair keeps the channel.
+
+Lifetime: the keeper unlinks the file once it has mapped it, so the memory lives while either
+process maps it and is freed with both, whatever ends them. A rollout that shares again (for
+another pipe) gets a new file and its parameters move there; the keeper of the older plan learns
+it before its next write (`RankSync.expect`) and the pair records anew, never writing into memory
+the rollout no longer reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections import defaultdict
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from siirl_dag.weight_sync.buckets import Named, nbytes
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "siirl-weights-"
+_ALIGN = 64
+_COUNT = itertools.count()
+_CONSTANT_WRITES = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}  # e.g. zeroed vocab padding
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy the loader made: `index` ((start, length) per dim) of an incoming tensor into the
+    strided view (`offset`, `size`, `stride`, in elements of `dtype`) of the segment file."""
+
+    index: tuple[tuple[int, int], ...]
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """What one rollout rank's loader does with an export: every incoming name with its shape and
+    dtype (names it skipped included), and its copies into the segment file at `path`."""
+
+    path: str
+    nbytes: int
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    copies: dict[str, list[Copy]] = field(default_factory=lambda: defaultdict(list))
+
+
+class Segment:
+    """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        params = list({id(p): p for p in params}.values())
+        if not params or any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
+            raise ValueError("direct writes need contiguous CPU parameters")
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-nbytes(p) // _ALIGN) * _ALIGN
+        _sweep()
+        self.path, self.nbytes = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{next(_COUNT)}"), max(total, _ALIGN)
+        try:
+            fs = os.statvfs(SHM_DIR)
+        except OSError:
+            raise ValueError(f"no {SHM_DIR} on this machine") from None
+        if fs.f_bavail * fs.f_frsize < 2 * self.nbytes:  # a write past a full tmpfs kills the process (SIGBUS)
+            raise ValueError(f"{SHM_DIR} has {fs.f_bavail * fs.f_frsize >> 20} MiB free, too little for "
+                             f"{self.nbytes >> 20} MiB of parameters")
+        self.memory = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        with torch.no_grad():
+            for p, offset in zip(params, offsets):
+                moved = self.memory[offset:offset + nbytes(p)].view(p.dtype).view(p.shape)
+                moved.copy_(p.data)
+                p.data = moved
+        self.pointer = self.memory.untyped_storage().data_ptr()
+
+    def unlink(self) -> None:
+        with suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _sweep() -> None:
+    """Remove the files of processes that died before their keeper mapped (and unlinked) them."""
+    with suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            match = re.fullmatch(rf"{_PREFIX}(\d+)-\d+", name)
+            if match and not os.path.exists(f"/proc/{match.group(1)}"):
+                with suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+
+
+def _written(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors `func` writes into (its schema's mutable arguments)."""
+    for i, spec in enumerate(func._schema.arguments):
+        if spec.alias_info is not None and spec.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(spec.name)
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _as_slices(src: torch.Tensor, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
+    """`src`, a view of a contiguous tensor of `shape`, as (start, length) per dim, or None if it is
+    not a plain slice of it."""
+    if src.dim() != len(shape):
+        return None
+    contiguous = torch.empty(shape, device="meta").stride()
+    starts, rest = [], src.storage_offset()
+    for stride in contiguous:
+        start, rest = divmod(rest, stride) if stride else (0, rest)
+        starts.append(start)
+    for d, (start, size) in enumerate(zip(starts, src.shape)):
+        if (size > 1 and src.stride(d) != contiguous[d]) or start + size > shape[d]:
+            return None
+    return tuple(zip(starts, src.shape))
+
+
+class Recorder(TorchDispatchMode):
+    """Active around the rollout's loader during a channel sync; `plan()` is what it recorded."""
+
+    def __init__(self, segment: Segment):
+        super().__init__()
+        self.segment = segment
+        self._plan = Plan(segment.path, segment.nbytes)
+        self._incoming: dict[int, str] = {}  # storage address -> name of the tensor arriving there
+        self.problem: str | None = None
+
+    def track(self, named: Iterable[Named]) -> Iterator[Named]:
+        """Pass the incoming tensors through, noting where each lies."""
+        for name, t in named:
+            if name in self._plan.shapes or t.storage_offset():
+                self.problem = self.problem or f"tensor {name!r} arrived twice or not at its buffer's start"
+            self._plan.shapes[name] = (tuple(t.shape), t.dtype)
+            self._incoming[t.untyped_storage().data_ptr()] = name
+            yield name, t
+
+    def plan(self) -> Plan | None:
+        if self.problem is None and not self._plan.copies:
+            self.problem = "the loader copied nothing into the shared parameters"
+        return None if self.problem else self._plan
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for dst in _written(func, args, kwargs):
+            if dst.untyped_storage().data_ptr() != self.segment.pointer:
+                continue
+            if func is torch.ops.aten.copy_.default:
+                self._record(dst, args[1])
+            elif func not in _CONSTANT_WRITES:
+                self.problem = self.problem or f"the loader writes a parameter with {func}, not a copy"
+        return func(*args, **kwargs)
+
+    def _record(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        name = self._incoming.get(src.untyped_storage().data_ptr()) if isinstance(src, torch.Tensor) else None
+        shape, dtype = self._plan.shapes.get(name, ((), None))
+        index = _as_slices(src, shape) if name is not None and src.dtype == dtype else None
+        if index is None:
+            self.problem = self.problem or "the loader copies into a parameter something other than a slice of a tensor it was given"
+            return
+        self._plan.copies[name].append(Copy(index, dst.dtype, dst.storage_offset(), tuple(dst.shape), dst.stride()))
+
+
+class Targets:
+    """The keeper's side: every rollout rank's plan, with its file mapped here (then unlinked)."""
+
+    def __init__(self, plans: list[Plan]):
+        self.shapes = plans[0].shapes
+        if any(p.shapes != self.shapes for p in plans):
+            raise ValueError("rollout ranks recorded different exports")
+        self.views: dict[str, list[tuple[tuple[slice, ...], torch.Tensor]]] = defaultdict(list)
+        self.paths = [p.path for p in plans]
+        try:
+            for plan in plans:
+                if os.stat(plan.path).st_size != plan.nbytes:  # torch.from_file would make a new file
+                    raise ValueError(f"{plan.path} is not the rollout's segment")
+                memory = torch.from_file(plan.path, shared=True, size=plan.nbytes, dtype=torch.uint8)
+                for name, copies in plan.copies.items():
+                    for c in copies:
+                        dst = memory.view(c.dtype).as_strided(c.size, c.stride, c.offset)
+                        self.views[name].append((tuple(slice(s, s + n) for s, n in c.index), dst))
+        finally:
+            for path in self.paths:
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def write(self, named: Iterable[Named]) -> int:
+        """Replay the plans on an export; returns the bytes exported. An export that differs from the
+        recorded one raises (the rollout still refuses to generate until a sync succeeds)."""
+        seen, total = set(), 0
+        with torch.no_grad():
+            for name, t in named:
+                if self.shapes.get(name) != (tuple(t.shape), t.dtype) or name in seen:
+                    raise RuntimeError(f"the trainer exported {name!r} {tuple(t.shape)} {t.dtype}, which the "
+                                       "rollout's recorded load does not expect")
+                seen.add(name)
+                total += nbytes(t)
+                for index, dst in self.views.get(name, ()):
+                    dst.copy_(t[index])
+        if len(seen) != len(self.shapes):
+            missing = sorted(set(self.shapes) - seen)
+            raise RuntimeError(f"the trainer's export ended without {missing[:3]} ({len(missing)} tensors)")
+        return total

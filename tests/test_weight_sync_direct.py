@@ -1,0 +1,183 @@
+"""Direct writes between separate meshes on one CPU machine: the rollout's first load recorded as a
+plan of slice copies, replayed by the trainer's rank 0 into the rollout's shared parameters. The
+pieces alone (a vLLM-like fusing loader), then the driver's protocol between Ray actors. The real
+stack (Megatron trainers, vLLM) is in test_weight_sync."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from siirl_dag.weight_sync.direct import Recorder, Segment, Targets
+
+
+class FusingModel(torch.nn.Module):
+    """Loads like vLLM: q and k into one fused weight (rows), this rank's half of each (TP 2, rank 1)
+    by narrowing the incoming tensor, a bias whole, and a name it does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Parameter(torch.zeros(4, 3))
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def load(self, named, transform=lambda t: t):
+        with torch.no_grad():
+            for name, t in named:
+                if name in ("q", "k"):
+                    self.qk.data.narrow(0, 0 if name == "q" else 2, 2).copy_(transform(t.narrow(0, 2, 2)))
+                elif name == "bias":
+                    self.bias.data.copy_(transform(t))
+
+
+def export(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"q": torch.randn(4, 3, generator=g), "k": torch.randn(4, 3, generator=g),
+            "bias": torch.randn(4, generator=g), "unused": torch.randn(2, generator=g)}
+
+
+def recorded(model: FusingModel, transform=lambda t: t) -> Recorder:
+    recorder = Recorder(Segment(model.parameters()))
+    with recorder:
+        model.load(recorder.track(export(0).items()), transform)
+    return recorder
+
+
+def test_a_recorded_load_replays_into_the_shared_parameters_and_its_file_is_gone_once_mapped():
+    model = FusingModel()
+    recorder = recorded(model)
+    plan = recorder.plan()
+    assert recorder.problem is None and set(plan.shapes) == {"q", "k", "bias", "unused"}
+    assert {name: len(c) for name, c in plan.copies.items()} == {"q": 1, "k": 1, "bias": 1}
+    assert os.path.exists(plan.path)
+    targets = Targets([plan])
+    assert not os.path.exists(plan.path), "unlinked once mapped: the memory goes with the processes"
+
+    new = export(1)
+    new["k"] = new["k"].t().contiguous().t()  # a trainer's strided view (a split of a fused tensor)
+    assert not new["k"].is_contiguous()
+    assert targets.write(new.items()) == sum(t.numel() * 4 for t in new.values())
+    torch.testing.assert_close(model.qk.data, torch.cat([new["q"][2:], new["k"][2:]]), rtol=0, atol=0)
+    torch.testing.assert_close(model.bias.data, new["bias"], rtol=0, atol=0)
+
+
+def test_a_loader_that_computes_makes_no_plan():
+    recorder = recorded(FusingModel(), transform=lambda t: t * 2)
+    assert recorder.plan() is None and "something other than a slice" in recorder.problem
+    os.unlink(recorder.segment.path)
+
+
+def test_an_export_that_differs_from_the_recorded_one_is_refused():
+    targets = Targets([recorded(FusingModel()).plan()])
+    with pytest.raises(RuntimeError, match="'q' \\(5, 3\\)"):
+        targets.write({**export(1), "q": torch.randn(5, 3)}.items())
+    short = export(1)
+    del short["unused"]
+    with pytest.raises(RuntimeError, match="ended without \\['unused'\\]"):
+        targets.write(short.items())
+
+
+# --- the driver's protocol between Ray actors -----------------------------------------------------
+
+class Trainer:
+    """A trainer engine whose export changes at every sync (and may fail half-way once)."""
+
+    def __init__(self, fail_at_sync: int | None = None):
+        self.syncs, self.fail_at_sync = 0, fail_at_sync
+
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False):
+        self.syncs += 1
+        for i, (name, t) in enumerate(export(self.syncs).items()):
+            if self.syncs == self.fail_at_sync and i == 2:
+                raise RuntimeError("gather failed")
+            yield name, t
+
+
+class Rollout:
+    """A rollout engine with the direct-write methods of VllmRollout around a FusingModel."""
+
+    def __init__(self):
+        self.model, self.version, self.ready = FusingModel(), 0, True
+
+    def load_weights(self, named, version, watch=None):
+        with watch or contextlib.nullcontext():
+            self.model.load(named)
+        self.version, self.ready = version, True
+
+    def weight_parameters(self):
+        return list(self.model.parameters())
+
+    def expect_weights(self):
+        self.ready = False
+
+    def weights_written(self, version):
+        self.version, self.ready = version, True
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from siirl_dag.runtime.backends import init_ray
+
+    init_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _install(worker, key, engine):
+    worker.engines[key] = engine
+
+
+def _state(worker):
+    engine = worker.engines["r"]
+    return engine.version, engine.ready, engine.model.qk.data.clone()
+
+
+def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_when_needed(ray_session):
+    import ray
+
+    from siirl_dag.runtime.backends import RayBackend
+    from siirl_dag.runtime.worker import RankWorker
+    from siirl_dag.weight_sync import WeightSync
+    from test_weight_sync import sync_runtime
+
+    trainer, rollout = (ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1) for group in ("train", "gen"))
+    ray.get([trainer.__ray_call__.remote(_install, "t", Trainer(fail_at_sync=5)),
+             rollout.__ray_call__.remote(_install, "r", Rollout())])
+    rt = sync_runtime(None, trainer, rollout)
+    rt.backend = RayBackend(rt.pipe)
+
+    def expected(sync: int) -> torch.Tensor:
+        weights = export(sync)
+        return torch.cat([weights["q"][2:], weights["k"][2:]])
+
+    sync = WeightSync(rt)
+    first = sync("update", "rollout", 1)  # through the channel, recorded
+    assert first["sync/buckets"] >= 1 and "sync/write_s" not in first
+    second = sync("update", "rollout", 2)  # the trainer writes into the rollout's parameters
+    assert second["sync/write_s"] > 0 and "sync/buckets" not in second and second["sync/bytes"] == first["sync/bytes"]
+    version, ready, qk = ray.get(rollout.__ray_call__.remote(_state))
+    assert (version, ready) == (2, True)
+    torch.testing.assert_close(qk, expected(2), rtol=0, atol=0)
+
+    # another pipe to the same rollout moves its parameters to a new file: the first pipe's next
+    # sync finds out before writing, and records again instead of writing where nobody reads
+    assert "sync/buckets" in WeightSync(rt)("update", "rollout", 3)
+    again = sync("update", "rollout", 4)
+    assert "sync/buckets" in again
+    torch.testing.assert_close(ray.get(rollout.__ray_call__.remote(_state))[2], expected(4), rtol=0, atol=0)
+
+    # an export that fails half-way through a direct write: the rollout refuses to generate
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sync("update", "rollout", 5)
+    version, ready, _ = ray.get(rollout.__ray_call__.remote(_state))
+    assert (version, ready) == (4, False)
+    assert "sync/buckets" in sync("update", "rollout", 6), "a failed pipe is retired: the next one records"
+    version, ready, qk = ray.get(rollout.__ray_call__.remote(_state))
+    assert (version, ready) == (6, True)
+    torch.testing.assert_close(qk, expected(6), rtol=0, atol=0)
+    assert sync("update", "rollout", 7)["sync/write_s"] > 0
+    torch.testing.assert_close(ray.get(rollout.__ray_call__.remote(_state))[2], expected(7), rtol=0, atol=0)

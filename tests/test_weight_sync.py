@@ -225,7 +225,7 @@ def channel_sync(trainer_engine, *rollout_engines, syncs: int = 1):
 
     keeper, readers = Rank.remote(trainer_engine), [Rank.remote(e) for e in rollout_engines]
     nodes = ray.get([r.op.remote("node") for r in readers])
-    pipe = ray.get(keeper.op.remote("open_channel", "p", list(zip(readers, nodes)), 2048))
+    pipe = ray.get(keeper.op.remote("open_channel", "p", list(zip(readers, nodes))))
     ray.get([r.op.remote("attach", "p", pipe) for r in readers])
     results = []
     for version in range(1, syncs + 1):

@@ -15,8 +15,10 @@ current bucket's buffer itself (until its next read) and hands the engine views 
 tensor into its parameter as it arrives.
 
 A blocking read spins a core while it waits (a writer's wait does not); on a few cores that core
-is the one the trainer's gather needs, so a reader polls instead, every `POLL_S`. A bucket larger
-than a buffer (a tensor bigger than weight_sync_bucket_mb) makes Ray grow the buffer once. Ray's
+is the one the trainer's gather needs, so a reader polls instead, every `POLL_S`. Buffers start
+small (`FIRST_BYTES`) and Ray grows one to the size of a bucket that does not fit (a new buffer),
+so a pair holds two buffers of its largest bucket, whatever weight_sync_bucket_mb says: made at
+that size up front (256 MiB by default), they took 2.6 s to make for the demo's 2 MB model. Ray's
 channels reach readers on the writer's machine only; other clusters sync over a process group
 (`collective`).
 """
@@ -33,7 +35,7 @@ from siirl_dag.weight_sync.buckets import from_wire, nbytes, to_wire
 
 SLOTS = 2
 POLL_S = 0.001
-HEADER_BYTES = 2**20  # room for a bucket's names, shapes and dtypes beside its data
+FIRST_BYTES = 2**20  # a buffer's size until a bucket needs more
 
 
 class ChannelPipe:
@@ -46,7 +48,7 @@ class ChannelPipe:
         self._current: Any = None  # the bucket being loaded: its buffer stays the reader's until the next read
 
     @classmethod
-    def create(cls, readers: list[tuple[Any, str]], bucket_bytes: int) -> "ChannelPipe":
+    def create(cls, readers: list[tuple[Any, str]]) -> "ChannelPipe":
         """On the writer's process: `readers` are (actor handle, node id) pairs."""
         import ray
         from ray.experimental.channel.shared_memory_channel import BufferedSharedMemoryChannel
@@ -55,7 +57,7 @@ class ChannelPipe:
         if any(node != here.get_node_id() for _, node in readers):
             raise ValueError("the object_store weight-sync transport reaches rollout ranks on the machine of the "
                              "trainer's rank 0 only; use the collective transport across machines")
-        return cls(BufferedSharedMemoryChannel(here.current_actor, readers, SLOTS, bucket_bytes + HEADER_BYTES))
+        return cls(BufferedSharedMemoryChannel(here.current_actor, readers, SLOTS, FIRST_BYTES))
 
     def write(self, payload: Any) -> None:
         """A bucket ((name, tensor) pairs; one copy into shared memory), or an end/abort marker."""

@@ -54,9 +54,9 @@ class RankSync:
         if name not in self.pipes:
             self.pipes[name] = SyncGroup(address, port, rank, world_size, device)
 
-    def open_channel(self, name: str, readers: list, bucket_bytes: int) -> ChannelPipe:
+    def open_channel(self, name: str, readers: list) -> ChannelPipe:
         """The keeper makes the channel; the driver hands it to the readers (`attach`)."""
-        self.pipes[name] = ChannelPipe.create(readers, bucket_bytes)
+        self.pipes[name] = ChannelPipe.create(readers)
         return self.pipes[name]
 
     def attach(self, name: str, pipe: ChannelPipe) -> None:

@@ -29,7 +29,7 @@ class WeightSync:
         and write later syncs straight into its parameters (`direct`); False keeps the channel."""
         self.rt, self.direct = runtime, direct
         self._direct: dict[tuple[str, str], list[str] | None] = {}  # pair -> rollout ranks' files, None: not possible
-        # (trainer node, rollout node) -> (what it was made for: transport, bucket size, member ids;
+        # (trainer node, rollout node) -> (what it was made for: transport, member ids;
         # its name on the ranks; the channel, or None for a group; its members)
         self._pipes: dict[tuple[str, str], tuple[tuple, str, Any, list]] = {}
 
@@ -65,7 +65,7 @@ class WeightSync:
         (keeper, role), walkers = src[0], src[1:]
         local = backend.name == "local"
         # the pipe first: if it cannot be made, no trainer rank has entered the export's collectives
-        pipe = None if local else self._pipe(src_node, dst_node, transport, bucket_bytes)
+        pipe = None if local else self._pipe(src_node, dst_node, transport)
         record = False
         if transport == "object_store" and not local and self.direct:
             paths = self._direct.get(pair, [])
@@ -152,13 +152,13 @@ class WeightSync:
         for worker in members:
             self.rt.backend.call(worker, "weight_sync", "forget", name)
 
-    def _pipe(self, src_node: str, dst_node: str, transport: str, bucket_bytes: int) -> str:
+    def _pipe(self, src_node: str, dst_node: str, transport: str) -> str:
         """The pipe's name on the ranks, made once per pair (and again for new members after a
         restart, the old pipe let go): a shared-memory channel (kept here too, to close it if a sync
         fails), or a process group of the sender (the trainer's rank 0) and every rollout rank."""
         backend, pair = self.rt.backend, (src_node, dst_node)
         members = [self.rt.roles[src_node][0][0]] + [w for w, _ in self.rt.roles[dst_node]]
-        made_for = (transport, bucket_bytes, *(id(w) for w in members))  # new workers after a restart: a new pipe
+        made_for = (transport, *(id(w) for w in members))  # new workers after a restart: a new pipe
         if pair in self._pipes and self._pipes[pair][0] != made_for:
             self._discard(pair)
         if pair not in self._pipes:
@@ -171,7 +171,7 @@ class WeightSync:
             else:
                 nodes = backend.get([backend.call(w, "weight_sync", "node") for w in members[1:]])
                 closer = backend.get(backend.call(members[0], "weight_sync", "open_channel", name,
-                                                  list(zip(members[1:], nodes)), bucket_bytes))
+                                                  list(zip(members[1:], nodes))))
                 backend.get([backend.call(w, "weight_sync", "attach", name, closer) for w in members[1:]])
             self._pipes[pair] = (made_for, name, closer, members)  # members kept alive, so their ids stay theirs
         return self._pipes[pair][1]

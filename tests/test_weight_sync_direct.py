@@ -79,6 +79,38 @@ def test_an_export_that_differs_from_the_recorded_one_is_refused():
         targets.write(short.items())
 
 
+def test_a_small_dev_shm_is_refused_before_anything_moves(monkeypatch):
+    from types import SimpleNamespace
+
+    model = FusingModel()
+    before = model.qk.data_ptr()
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    with pytest.raises(ValueError, match="has 0 MiB free, too little"):
+        Segment(model.parameters())
+    assert model.qk.data_ptr() == before, "the parameters stay where they were"
+
+
+def test_files_of_dead_processes_are_swept_and_live_ones_kept():
+    import subprocess
+    import sys
+
+    from siirl_dag.weight_sync.direct import SHM_DIR
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale, live = (os.path.join(SHM_DIR, f"siirl-weights-{pid}-0") for pid in (dead, os.getppid()))
+    for path in (stale, live):
+        open(path, "wb").close()
+    try:
+        segment = Segment(FusingModel().parameters())
+        segment.unlink()
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 # --- the driver's protocol between Ray actors -----------------------------------------------------
 
 class Trainer:

@@ -285,9 +285,10 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
         time.sleep(0.5)
     time.sleep(8)  # the step is running
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; stopped cleanly." in err and "Traceback" not in err
+    assert "[runtime] stopping: 1 worker(s) still busy" in out, "the user is told what the wait is for"
     deadline = time.time() + 30
     while _rays() > before and time.time() < deadline:
         time.sleep(0.5)

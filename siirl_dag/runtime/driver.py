@@ -370,15 +370,29 @@ class Runtime:
                                  for w, role in self.roles[node_id]])
 
     def shutdown(self, grace_s: float = 20.0) -> None:
-        """Close every engine (a worker still busy, after Ctrl-C say, gets `grace_s`), then kill all workers."""
+        """Close every engine (a worker still busy, after Ctrl-C say, gets `grace_s`, and the user is
+        told so), then kill all workers."""
         try:
             calls = [self.backend.call(w, "shutdown") for workers in self.workers.values() for w in workers]
             deadline = time.perf_counter() + grace_s
-            for call in calls:
-                try:
-                    self.backend.get(call, timeout=max(deadline - time.perf_counter(), 0.1))
-                except Exception:  # noqa: BLE001 - dead or stuck: the backend kills it next
-                    pass
+            busy = self._unfinished(calls, time.perf_counter() + 1.0)
+            if busy:
+                self.progress(f"[runtime] stopping: {len(busy)} worker(s) still busy, given {grace_s:.0f} s to "
+                              "close their engines before they are killed ...")
+                self._unfinished(busy, deadline)
         finally:
             self.workers.clear()
             self.backend.shutdown()
+
+    def _unfinished(self, calls: list, deadline: float) -> list:
+        """The calls still running at `deadline` (one that failed is finished: dead, or stuck, the
+        backend kills it next)."""
+        running = []
+        for call in calls:
+            try:
+                self.backend.get(call, timeout=max(deadline - time.perf_counter(), 0.01))
+            except TimeoutError:  # Ray's GetTimeoutError is one
+                running.append(call)
+            except Exception:  # noqa: BLE001
+                pass
+        return running

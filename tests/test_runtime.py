@@ -277,15 +277,19 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
         trainer: {{total_steps: 1, logger: [console], default_local_dir: {tmp_path}/ckpt, export_hf: false}}
         """))
     before = _rays()
+    # SIGINT's default restored in the run: a suite started in the background of a non-interactive
+    # shell inherits it ignored, and then so would the run
     proc = subprocess.Popen([sys.executable, "-m", "siirl_dag.main", str(tmp_path / "p.yaml")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**__import__("os").environ,
-                            "PYTHONPATH": str(Path(__file__).parent)})
-    deadline = time.time() + 120
-    while time.time() < deadline and _rays() <= before:
-        time.sleep(0.5)
-    time.sleep(8)  # the step is running
+                            "PYTHONPATH": str(Path(__file__).parent)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    while not any(line.startswith("[runtime] ready") for line in seen) and proc.poll() is None:
+        seen.append(proc.stdout.readline())
+    time.sleep(3)  # the step (120 s) is running
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
+    out = "".join(seen) + out
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; stopped cleanly." in err and "Traceback" not in err
     assert "[runtime] stopping: 1 worker(s) still busy" in out, "the user is told what the wait is for"

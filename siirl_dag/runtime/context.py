@@ -36,8 +36,10 @@ class NodeContext:
     def options(self) -> dict:
         return self.node.options
 
-    @property
+    @cached_property
     def tokenizer(self):
+        """Read once per process (ModelSpec.load_tokenizer), and checked once per node run here, not
+        per row of a node that decodes row by row."""
         return self.tokenizer_model.load_tokenizer()
 
     @cached_property

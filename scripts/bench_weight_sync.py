@@ -11,7 +11,8 @@ timed just before it (target <= 3x; a shared VM drifts during a run, and both si
 for separate meshes also two such copies in two processes at once (a floor for their two copies),
 and the per-stage breakdown: export (the trainer's gather of its shards + HF conversion, one walk in
 hf_convert), send (the trainer handing buckets over: the object-store write or the broadcast, and
-any wait for a slower consumer), load (vLLM taking the tensors, incl. its CPU repacking), and wait
+any wait for a slower consumer), load (vLLM taking the tensors, incl. its CPU repacking, on the rollout
+rank's share of its machine's cores: the other ranks wait), and wait
 (rollout idle for lack of a bucket; export and load overlap bucket by bucket). Separate meshes over
 the object store write straight into the rollout's parameters after the first sync (unless
 --channel-only): write is the trainer's copies, load the rollout's finish (the repack) after them.

@@ -176,7 +176,7 @@ class RecordingEngine:
         self.loaded, self.values, self.version, self.fail_at, self.retain = [], [], 0, fail_at, retain
         self.kept, self.fail_once = [], fail_once
 
-    def load_weights(self, named, version):
+    def load_weights(self, named, version, watch=None, cores=None):
         for name, t in named:
             if name == self.fail_at:
                 self.fail_at = None if self.fail_once else name
@@ -276,8 +276,35 @@ def sync_runtime(backend, trainer, rollout):
 
     return SimpleNamespace(backend=backend, roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
                                                    "rollout": [(rollout, SimpleNamespace(engine_key="r"))]},
-                           pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024, address=None),
-                                                cluster=SimpleNamespace(device="cpu", nodes=1)))
+                           pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024, address=None,
+                                                                        cpus_per_rank=1),
+                                                cluster=SimpleNamespace(device="cpu", nodes=1, devices_per_node=2),
+                                                nodes={"rollout": SimpleNamespace(mesh="gen")},
+                                                plan=SimpleNamespace(meshes={"gen": _mesh([0])})))
+
+
+def _mesh(machines):
+    """A placed mesh whose ranks sit on these machines."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ranks=[SimpleNamespace(machine=m) for m in machines])
+
+
+def test_rollout_ranks_finish_their_loads_with_the_cores_of_their_machine():
+    """A sync runs while every other rank waits: each machine's cores are split among its rollout
+    ranks (vLLM's CPU re-pack scales with threads); GPUs and one process keep their own threads."""
+    from types import SimpleNamespace
+
+    rt = sync_runtime(SimpleNamespace(name="ray"), None, None)
+    rt.pipe.cluster.devices_per_node, rt.pipe.runtime.cpus_per_rank = 4, 2
+    rt.pipe.plan.meshes["gen"] = _mesh([0, 0, 0, 1])
+    assert WeightSync(rt)._cores("rollout") == [2, 2, 2, 8]
+    rt.pipe.runtime.cpus_per_rank = 0.5
+    assert WeightSync(rt)._cores("rollout") == [1, 1, 1, 2]
+    rt.backend.name = "local"
+    assert WeightSync(rt)._cores("rollout") == [None] * 4
+    rt.backend.name, rt.pipe.cluster.device = "ray", "cuda"
+    assert WeightSync(rt)._cores("rollout") == [None] * 4
 
 
 def stream_sync(trainer_engine, rollout_engine):

@@ -133,10 +133,10 @@ class Rollout:
     def __init__(self):
         self.model, self.version, self.ready = FusingModel(), 0, True
 
-    def load_weights(self, named, version, watch=None):
+    def load_weights(self, named, version, watch=None, cores=None):
         with watch or contextlib.nullcontext():
             self.model.load(named)
-        self.version, self.ready = version, True
+        self.version, self.ready, self.cores = version, True, cores
 
     def weight_parameters(self):
         return list(self.model.parameters())
@@ -144,8 +144,8 @@ class Rollout:
     def expect_weights(self):
         self.ready = False
 
-    def weights_written(self, version):
-        self.version, self.ready = version, True
+    def weights_written(self, version, cores=None):
+        self.version, self.ready, self.cores = version, True, cores
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def _install(worker, key, engine):
 
 def _state(worker):
     engine = worker.engines["r"]
-    return engine.version, engine.ready, engine.model.qk.data.clone()
+    return engine.version, engine.ready, engine.model.qk.data.clone(), engine.cores
 
 
 def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_when_needed(ray_session):
@@ -191,8 +191,8 @@ def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_
     assert first["sync/buckets"] >= 1 and "sync/write_s" not in first
     second = sync("update", "rollout", 2)  # the trainer writes into the rollout's parameters
     assert second["sync/write_s"] > 0 and "sync/buckets" not in second and second["sync/bytes"] == first["sync/bytes"]
-    version, ready, qk = ray.get(rollout.__ray_call__.remote(_state))
-    assert (version, ready) == (2, True)
+    version, ready, qk, cores = ray.get(rollout.__ray_call__.remote(_state))
+    assert (version, ready, cores) == (2, True, 2)  # it finished with the waiting trainer's core too
     torch.testing.assert_close(qk, expected(2), rtol=0, atol=0)
 
     # another pipe to the same rollout moves its parameters to a new file: the first pipe's next
@@ -205,10 +205,10 @@ def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_
     # an export that fails half-way through a direct write: the rollout refuses to generate
     with pytest.raises(RuntimeError, match="gather failed"):
         sync("update", "rollout", 5)
-    version, ready, _ = ray.get(rollout.__ray_call__.remote(_state))
+    version, ready, _, _ = ray.get(rollout.__ray_call__.remote(_state))
     assert (version, ready) == (4, False)
     assert "sync/buckets" in sync("update", "rollout", 6), "a failed pipe is retired: the next one records"
-    version, ready, qk = ray.get(rollout.__ray_call__.remote(_state))
+    version, ready, qk, _ = ray.get(rollout.__ray_call__.remote(_state))
     assert (version, ready) == (6, True)
     torch.testing.assert_close(qk, expected(6), rtol=0, atol=0)
     assert sync("update", "rollout", 7)["sync/write_s"] > 0

@@ -139,7 +139,7 @@ class RankWorker:
             self._activate(args[0])
         return getattr(self._weight_sync, op)(*args)
 
-    def sync_handoff(self, src_key: str, dst_key: str, version: int) -> dict:
+    def sync_handoff(self, src_key: str, dst_key: str, version: int, cores: int | None = None) -> dict:
         """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives
         the device up first), load from the trainer in memory, then free the trainer."""
         from siirl_dag import weight_sync
@@ -149,7 +149,7 @@ class RankWorker:
         for key in (src_key, dst_key):
             if key != self.active:
                 self.engines[key].onload()
-        stats = weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version)
+        stats = weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version, cores)
         self.engines[src_key].offload()
         self.active = dst_key
         return stats

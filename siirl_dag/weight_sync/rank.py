@@ -142,11 +142,13 @@ class RankSync:
         self.segments[engine_key] = segment
         return self.segments[engine_key].path
 
-    def receive(self, engine_key: str, version: int, pipe: str | InlinePipe, record: bool = False) -> dict:
+    def receive(self, engine_key: str, version: int, pipe: str | InlinePipe, record: bool = False,
+                cores: int | None = None) -> dict:
         """Load every bucket of the pipe into the engine, which stamps `version` at the end. If the
         engine fails, the rest of the stream is still read (and dropped), so the trainer finishes.
         `record` (after `share`): the stats carry the load's `direct.Plan` under "plan", or None
-        and the reason under "plan_problem"."""
+        and the reason under "plan_problem". `cores`: the threads the engine may finish the load
+        with (the driver's `WeightSync._cores`)."""
         pipe = self.pipes[pipe] if isinstance(pipe, str) else pipe
         stats, ended = {"sync/wait_s": 0.0}, False
         reads = timed(iter(pipe.read, None), stats, "sync/wait_s")
@@ -173,7 +175,7 @@ class RankSync:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():  # the engine loads in this thread's grad mode otherwise
-                self.engines[engine_key].load_weights(tensors(), version, **({"watch": recorder} if recorder else {}))
+                self.engines[engine_key].load_weights(tensors(), version, watch=recorder, cores=cores)
             if drop_the_rest():
                 raise RuntimeError("the rollout engine stopped reading weights before the stream ended")
         except Exception:
@@ -205,14 +207,16 @@ class RankSync:
         self.engines[engine_key].expect_weights()
         return True
 
-    def written(self, engine_key: str, version: int) -> dict:
+    def written(self, engine_key: str, version: int, cores: int | None = None, write: Any = None) -> dict:
+        """After the keeper's `write` (its result, unused: the call waits for it): finish and stamp."""
         t0 = time.perf_counter()
-        self.engines[engine_key].weights_written(version)
+        self.engines[engine_key].weights_written(version, cores)
         return {"sync/load_s": time.perf_counter() - t0}
 
 
-def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
-    """Colocated meshes: the rollout engine loads straight from the trainer's export, in process."""
+def handoff(src_engine: Any, dst_engine: Any, version: int, cores: int | None = None) -> dict:
+    """Colocated meshes: the rollout engine loads straight from the trainer's export, in process
+    (finishing with `cores` threads, as in `RankSync.receive`)."""
     t0, stats = time.perf_counter(), {"sync/bytes": 0}
 
     def counted(named):
@@ -223,7 +227,7 @@ def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
     export = src_engine.export_hf_weights(copy=False)
     try:
         with torch.no_grad():  # the engine's loader runs in this thread's grad mode otherwise
-            dst_engine.load_weights(counted(timed(export, stats, "sync/gather_s")), version)
+            dst_engine.load_weights(counted(timed(export, stats, "sync/gather_s")), version, cores=cores)
     finally:  # a load that failed here must not leave the other trainer ranks in the export's collectives
         with suppress(Exception):
             for _ in export:

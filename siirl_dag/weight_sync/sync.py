@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from contextlib import suppress
 from typing import Any
 
@@ -43,7 +44,8 @@ class WeightSync:
         src_workers = {id(w) for w, _ in src}
         if len(dst) == len(src) and all(id(w) in src_workers for w, _ in dst):
             backend = self.rt.backend
-            calls = [backend.call(w, "sync_handoff", src[0][1].engine_key, r.engine_key, version) for w, r in dst]
+            calls = [backend.call(w, "sync_handoff", src[0][1].engine_key, r.engine_key, version, cores)
+                     for (w, r), cores in zip(dst, self._cores(dst_node))]
             metrics = dict(backend.get(calls)[0])
         else:
             cluster = self.rt.pipe.cluster
@@ -81,7 +83,8 @@ class WeightSync:
             pipe = backend.get(backend.call(keeper, "weight_sync", "inline", role.engine_key, bucket_bytes))
         else:
             calls.append(backend.call(keeper, "weight_sync", "send", role.engine_key, bucket_bytes, pipe))
-        loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe, record) for w, r in dst]
+        loads = [backend.call(w, "weight_sync", "receive", r.engine_key, version, pipe, record, cores)
+                 for (w, r), cores in zip(dst, self._cores(dst_node))]
         try:
             results = self._all(calls + loads)
         except Exception:
@@ -119,15 +122,30 @@ class WeightSync:
         (keeper, role), walkers = self.rt.roles[src_node][0], self.rt.roles[src_node][1:]
         calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
         calls.append(backend.call(keeper, "weight_sync", "write", role.engine_key, pipe))
+        # each rollout rank finishes once the write is done (Ray hands it the write's result, no
+        # round trip through here); if the write fails, so do these, unrun
+        loads = [backend.call(w, "weight_sync", "written", r.engine_key, version, cores, calls[-1])
+                 for (w, r), cores in zip(self.rt.roles[dst_node], self._cores(dst_node))]
         try:
-            stats = dict(self._all(calls)[-1])
-            loads = self._all([backend.call(w, "weight_sync", "written", r.engine_key, version)
-                               for w, r in self.rt.roles[dst_node]])
+            results = self._all(calls + loads)
         except Exception:
             self._discard(pair)  # the rollout ranks keep refusing to generate until a sync succeeds
             raise
-        stats["sync/load_s"] = max(load["sync/load_s"] for load in loads)
+        stats = dict(results[len(calls) - 1])
+        stats["sync/load_s"] = max(load["sync/load_s"] for load in results[len(calls):])
         return stats
+
+    def _cores(self, dst_node: str) -> list[int | None]:
+        """The threads each rollout rank may load with (vLLM re-packs its weights on CPU): a sync runs
+        between steps, when the other ranks of its machine wait, so their cores are split among the
+        rollout ranks there. None (each keeps its own) on GPUs and in one process (backend=local)."""
+        pipe = self.rt.pipe
+        mesh = pipe.plan.meshes[pipe.nodes[dst_node].mesh]
+        if pipe.cluster.device != "cpu" or self.rt.backend.name != "ray":
+            return [None] * len(mesh.ranks)
+        cores = pipe.cluster.devices_per_node * pipe.runtime.cpus_per_rank
+        sharing = Counter(slot.machine for slot in mesh.ranks)
+        return [max(1, int(cores // sharing[slot.machine])) for slot in mesh.ranks]
 
     def _all(self, calls: list) -> list:
         """Every call's result, raising the first failure as soon as it happens (not after the calls

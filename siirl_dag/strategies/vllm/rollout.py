@@ -180,18 +180,19 @@ class VllmRollout(Strategy):
                                        f"max_model_len={self.max_model_len}; raise it or shorten the lengths")])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     watch: Any = None) -> float:
+                     watch: Any = None, cores: int | None = None) -> float:
         """Replace the engine's weights in place with HF-named tensors; returns the seconds taken.
 
         `named_tensors` may be a generator (e.g. streaming buckets from the trainer): it is consumed
         once, tensor by tensor. Every tensor of a layer must be present (q, k and v together), since
         vLLM re-fuses them. `watch` is a context entered around vLLM's loader (the weight sync's
-        recorder). The prefix cache is reset so no KV state of the old weights survives.
+        recorder); `cores`, the threads to finish with (the CPU re-pack), if not this rank's own.
+        The prefix cache is reset so no KV state of the old weights survives.
         """
         self._check_version(version)
         start, tensors = time.perf_counter(), iter(named_tensors)
         try:
-            self.llm.collective_rpc("siirl_load_weights", args=(tensors, watch))
+            self.llm.collective_rpc("siirl_load_weights", args=(tensors, watch, cores))
             if next(tensors, None) is not None:
                 raise RuntimeError("vLLM's weight loader returned before the last tensor")
         except BaseException:
@@ -209,10 +210,11 @@ class VllmRollout(Strategy):
         `weights_written`."""
         self._needs_weights = True
 
-    def weights_written(self, version: int) -> None:
-        """The weights of `version` are in place: finish the load (re-pack) and stamp it."""
+    def weights_written(self, version: int, cores: int | None = None) -> None:
+        """The weights of `version` are in place: finish the load (re-pack, with `cores` threads as
+        in `load_weights`) and stamp it."""
         self._check_version(version)
-        self.llm.collective_rpc("siirl_finish_load")
+        self.llm.collective_rpc("siirl_finish_load", args=(cores,))
         self._stamp(version)
 
     def _check_version(self, version: int) -> None:

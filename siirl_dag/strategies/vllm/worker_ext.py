@@ -17,17 +17,18 @@ from siirl_dag.strategies.vllm import cpu_compat
 class WeightSyncExtension:
     """Loaded by vLLM as a mixin of its worker class; `self` is the worker."""
 
-    def siirl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], watch: Any = None) -> None:
+    def siirl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], watch: Any = None,
+                           cores: int | None = None) -> None:
         """Load HF-named tensors in place (the model's own loader fuses qkv / gate_up and shards),
         under `watch` (a context, e.g. the weight sync's recorder of the loader's copies) if given."""
         with watch or contextlib.nullcontext():
             self.model_runner.get_model().load_weights(weights)
-        self.siirl_finish_load()
+        self.siirl_finish_load(cores)
 
-    def siirl_finish_load(self) -> None:
-        """What follows new weights in place, however they got there."""
+    def siirl_finish_load(self, cores: int | None = None) -> None:
+        """What follows new weights in place, however they got there (with `cores` threads)."""
         if cpu_compat.active():
-            cpu_compat.finish_load(self)
+            cpu_compat.finish_load(self, cores)
 
     def siirl_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model_runner.get_model().parameters())

@@ -22,25 +22,29 @@ def _lengths_fit(node, pipeline) -> list[Problem]:
                     f"expected max_model_len >= {need}, or shorter lengths")]
 
 
-def _prompts_fit(node, pipeline, data) -> list[str]:
-    """Every prompt, tokenized as the engine will (chat template included), within max_prompt_length:
-    found here, not at the step that first draws it."""
+def _prompt_lengths(node, pipeline, data) -> list[int]:
+    """Each prompt's tokens as the engine will count them (a chat list through the template)."""
     from siirl_dag.strategies.vllm.layout import prompt_token_ids
 
-    tokenizer = pipeline.models[node.model].load_tokenizer()
+    tokenizer, chat = pipeline.models[node.model].load_tokenizer(), node.options["chat_template"]
+    return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat)) for row in data.rows]
+
+
+def _prompts_fit(node, pipeline, data) -> list[str]:
+    """Every prompt within max_prompt_length: found here, not at the step that first draws it."""
     limit, chat = pipeline.data.max_prompt_length, node.options["chat_template"]
-    bad = [(row["index"], n) for row in data.rows
-           if not 0 < (n := len(prompt_token_ids(tokenizer, row["raw_prompt"], chat))) <= limit]
+    bad = [(row["index"], n) for row, n in zip(data.rows, _prompt_lengths(node, pipeline, data)) if not 0 < n <= limit]
     if not bad:
         return []
     shown = "; ".join("'{}' row {} has {} tokens".format(*data.source(i), n) for i, n in bad[:3])
     return [f"{len(bad)} of {len(data)} prompts do not fit data.max_prompt_length = {limit} tokens "
             f"(chat_template: {str(chat).lower()}): {shown}{'; ...' if len(bad) > 3 else ''}; expected 1 to {limit} "
-            "tokens: raise data.max_prompt_length (and max_model_len), or drop those rows"]
+            "tokens: raise data.max_prompt_length (and max_model_len), drop those rows, or set "
+            "data.filter_overlong_prompts: true"]
 
 
 @node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout",
-           check=_lengths_fit, check_data=_prompts_fit)
+           check=_lengths_fit, check_data=_prompts_fit, prompt_lengths=_prompt_lengths)
 def rollout(batch, ctx):
     """Generate responses; rows are expanded n-fold (samples of one prompt adjacent)."""
     ctx.check_weights_version()

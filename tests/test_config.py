@@ -335,12 +335,11 @@ def test_prompts_no_scorer_grades_and_a_scorer_that_does_not_import_are_refused(
     assert "params.scorer: scorer 'no_such_module:score': cannot import module 'no_such_module'" in res.stderr
 
 
-def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path, tiny_model_dir):
-    """Counted as the engine tokenizes them (a chat list through the template), named by file and row."""
+def _long_and_chat_prompts(tmp_path, tiny_model_dir) -> str:
+    """A pipeline whose training prompts are 8 chats and whose validation prompts are 8 strings, one
+    of them 40 tokens long (row 6)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from siirl_dag.trainer.loop import Trainer
 
     prompts = ["1+1=?"] * 6 + ["word " * 8, "x"]
     pq.write_table(pa.table({"prompt": prompts, "data_source": ["gsm8k"] * 8, "ground_truth": ["2"] * 8}),
@@ -348,8 +347,33 @@ def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path
     chats = [[{"role": "user", "content": "1+1=?"}]] * 8
     pq.write_table(pa.table({"prompt": chats, "data_source": ["gsm8k"] * 8, "ground_truth": ["2"] * 8}),
                    tmp_path / "v.parquet")
-    text = BASE.replace("no/such/model", tiny_model_dir).replace(
+    return BASE.replace("no/such/model", tiny_model_dir).replace(
         "train_files: train.parquet", f"train_files: {tmp_path / 'v.parquet'}\n  val_files: {tmp_path / 't.parquet'}")
+
+
+def test_overlong_prompts_are_left_out_when_asked_and_saying_so(tmp_path, tiny_model_dir):
+    from siirl_dag.trainer.loop import Trainer
+
+    text, said = _long_and_chat_prompts(tmp_path, tiny_model_dir), []
+    trainer = Trainer(load_pipeline(write(tmp_path, text), ["data.max_prompt_length=32", "data.filter_overlong_prompts=true"],
+                                    for_run=True), progress=said.append)
+    assert len(trainer.train_data) == 8 and len(trainer.val_data) == 7
+    assert [row["index"] for row in trainer.val_data.rows] == [0, 1, 2, 3, 4, 5, 7]  # ids stay the files' rows
+    assert said == ["[data] data.val_files: left out 1 of 8 prompts longer than data.max_prompt_length = 32 tokens "
+                    "(as node 'rollout' counts them)"]
+    pipe = load_pipeline(write(tmp_path, text), ["data.max_prompt_length=8", "data.filter_overlong_prompts=true"],
+                         for_run=True)
+    with pytest.raises(ConfigError) as info:
+        Trainer(pipe, progress=said.append)
+    (p,) = info.value.problems
+    assert p.path == ("data", "train_files") and "every prompt is longer than data.max_prompt_length = 8" in p.message
+
+
+def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path, tiny_model_dir):
+    """Counted as the engine tokenizes them (a chat list through the template), named by file and row."""
+    from siirl_dag.trainer.loop import Trainer
+
+    text = _long_and_chat_prompts(tmp_path, tiny_model_dir)
     res = run_cli(str(write(tmp_path, text)), "data.max_prompt_length=32")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert (f":{line_of(text, 'val_files')}:3: data.val_files: node 'rollout': 1 of 8 prompts do not fit "

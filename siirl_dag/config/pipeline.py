@@ -93,6 +93,7 @@ class DataSpec:
     val_batch_size: int | None
     max_prompt_length: int
     max_response_length: int
+    filter_overlong_prompts: bool
     shuffle: bool
     seed: int
 

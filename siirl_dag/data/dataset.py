@@ -135,6 +135,10 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def drop(self, indices: set[int]) -> None:
+        """Leave out the rows of these indices (their ids stay those of the files' rows)."""
+        self.rows = [row for row in self.rows if row["index"] not in indices]
+
     def source(self, index: int) -> tuple[str, int]:
         """The file a row came from and its row number there (for messages about it)."""
         k = bisect.bisect_right(self._starts, index) - 1

@@ -55,6 +55,8 @@ class Trainer:
             self.val_data = PromptDataset(list(d.val_files), d.prompt_key, config_path=("data", "val_files")) if d.val_files else None
         except ConfigError as exc:
             raise pipe.located(exc.problems) from None
+        if d.filter_overlong_prompts:
+            self._drop_overlong_prompts()
         problems = self._node_data_problems()
         if problems:
             raise pipe.located(problems)
@@ -68,6 +70,28 @@ class Trainer:
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
         self.resume = Resume(pipe, self.ckpt_dir, self.trainers, self.models, self.loader)
         self.step = self.resume.step
+
+    def _drop_overlong_prompts(self) -> None:
+        """data.filter_overlong_prompts: leave out the prompts longer than data.max_prompt_length as
+        a node that generates from them counts their tokens, saying how many; none left is an error."""
+        limit = self.pipe.data.max_prompt_length
+        for key, data in (("train_files", self.train_data), ("val_files", self.val_data)):
+            for node in self.pipe.nodes.values():
+                measure = self.pipe.kinds[node.id].prompt_lengths
+                if not (measure and data):
+                    continue
+                try:
+                    over = {row["index"] for row, n in zip(data.rows, measure(node, self.pipe, data)) if n > limit}
+                except ConfigError as exc:  # what it needs is bad itself (a tokenizer that does not load)
+                    raise self.pipe.located(exc.problems) from None
+                if over:
+                    self.progress(f"[data] data.{key}: left out {len(over)} of {len(data)} prompts longer than "
+                                  f"data.max_prompt_length = {limit} tokens (as node '{node.id}' counts them)")
+                    data.drop(over)
+                if not len(data):
+                    raise self.pipe.error(("data", key), f"every prompt is longer than data.max_prompt_length = {limit} "
+                                                         f"tokens (as node '{node.id}' counts them); expected some "
+                                                         "shorter: raise data.max_prompt_length")
 
     def _node_data_problems(self) -> list[Problem]:
         """What the node kinds find wrong with the prompts (a data_source no scorer grades, say)."""

@@ -17,7 +17,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m siirl_dag.main $(DEMO)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=20 tests
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/bench.py

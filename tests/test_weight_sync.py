@@ -270,17 +270,18 @@ def test_channel_a_failed_export_fails_the_load_and_keeps_the_old_version():
 
 # --- the driver's stream protocol, with recording engines -----------------------------------------
 
-def sync_runtime(backend, trainer, rollout):
-    """What WeightSync reads of a Runtime: one trainer rank (engine "t") and one rollout rank ("r")."""
+def sync_runtime(backend, trainer, *rollouts):
+    """What WeightSync reads of a Runtime: one trainer rank (engine "t") and rollout ranks ("r") on
+    one machine of two devices."""
     from types import SimpleNamespace
 
     return SimpleNamespace(backend=backend, roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
-                                                   "rollout": [(rollout, SimpleNamespace(engine_key="r"))]},
+                                                   "rollout": [(r, SimpleNamespace(engine_key="r")) for r in rollouts]},
                            pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024, address=None,
                                                                         cpus_per_rank=1),
                                                 cluster=SimpleNamespace(device="cpu", nodes=1, devices_per_node=2),
                                                 nodes={"rollout": SimpleNamespace(mesh="gen")},
-                                                plan=SimpleNamespace(meshes={"gen": _mesh([0])})))
+                                                plan=SimpleNamespace(meshes={"gen": _mesh([0] * len(rollouts))})))
 
 
 def _mesh(machines):

@@ -15,11 +15,12 @@ from siirl_dag.weight_sync.direct import Recorder, Segment, Targets
 
 
 class FusingModel(torch.nn.Module):
-    """Loads like vLLM: q and k into one fused weight (rows), this rank's half of each (TP 2, rank 1)
-    by narrowing the incoming tensor, a bias whole, and a name it does not use."""
+    """Loads like vLLM: q and k into one fused weight (rows), this rank's half of each (TP 2, rank 1
+    unless told) by narrowing the incoming tensor, a bias whole, and a name it does not use."""
 
-    def __init__(self):
+    def __init__(self, tp_rank: int = 1):
         super().__init__()
+        self.tp_rank = tp_rank
         self.qk = torch.nn.Parameter(torch.zeros(4, 3))
         self.bias = torch.nn.Parameter(torch.zeros(4))
 
@@ -27,7 +28,8 @@ class FusingModel(torch.nn.Module):
         with torch.no_grad():
             for name, t in named:
                 if name in ("q", "k"):
-                    self.qk.data.narrow(0, 0 if name == "q" else 2, 2).copy_(transform(t.narrow(0, 2, 2)))
+                    shard = t.narrow(0, 2 * self.tp_rank, 2)
+                    self.qk.data.narrow(0, 0 if name == "q" else 2, 2).copy_(transform(shard))
                 elif name == "bias":
                     self.bias.data.copy_(transform(t))
 
@@ -130,8 +132,8 @@ class Trainer:
 class Rollout:
     """A rollout engine with the direct-write methods of VllmRollout around a FusingModel."""
 
-    def __init__(self):
-        self.model, self.version, self.ready = FusingModel(), 0, True
+    def __init__(self, tp_rank: int = 1):
+        self.model, self.version, self.ready = FusingModel(tp_rank), 0, True
 
     def load_weights(self, named, version, watch=None, cores=None):
         with watch or contextlib.nullcontext():
@@ -213,3 +215,30 @@ def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_
     torch.testing.assert_close(qk, expected(6), rtol=0, atol=0)
     assert sync("update", "rollout", 7)["sync/write_s"] > 0
     torch.testing.assert_close(ray.get(rollout.__ray_call__.remote(_state))[2], expected(7), rtol=0, atol=0)
+
+
+def test_each_rollout_rank_gets_its_own_shard_written_and_a_share_of_the_cores(ray_session):
+    """A t2 rollout: two plans (each rank's half of q and k), written by one keeper, each rank
+    finishing with one of the machine's two cores."""
+    import ray
+
+    from siirl_dag.runtime.backends import RayBackend
+    from siirl_dag.runtime.worker import RankWorker
+    from siirl_dag.weight_sync import WeightSync
+    from test_weight_sync import sync_runtime
+
+    trainer, *rollouts = (ray.remote(RankWorker).options(num_cpus=0).remote(g, r, 1)
+                          for g, r in (("train", 0), ("gen", 0), ("gen", 1)))
+    ray.get([trainer.__ray_call__.remote(_install, "t", Trainer())] +
+            [w.__ray_call__.remote(_install, "r", Rollout(tp_rank)) for tp_rank, w in enumerate(rollouts)])
+    rt = sync_runtime(None, trainer, *rollouts)
+    rt.backend = RayBackend(rt.pipe)
+    sync = WeightSync(rt)
+    assert "sync/buckets" in sync("update", "rollout", 1)
+    assert sync("update", "rollout", 2)["sync/write_s"] > 0
+    weights = export(2)
+    for tp_rank, w in enumerate(rollouts):
+        version, ready, qk, cores = ray.get(w.__ray_call__.remote(_state))
+        assert (version, ready, cores) == (2, True, 1)
+        half = slice(2 * tp_rank, 2 * tp_rank + 2)
+        torch.testing.assert_close(qk, torch.cat([weights["q"][half], weights["k"][half]]), rtol=0, atol=0)

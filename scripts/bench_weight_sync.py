@@ -9,8 +9,8 @@ weights `--repeats` times (the first is a warm-up). Prints, per layout, the medi
 bytes moved, the median ratio of each sync to a single-threaded memcpy of its bytes in this process
 timed just before it (target <= 3x; a shared VM drifts during a run, and both sides of a ratio drift together),
 for separate meshes also two such copies in two processes at once (a floor for their two copies),
-and the per-stage breakdown: export (the trainer's gather of its shards + HF conversion, one walk in
-hf_convert), send (the trainer handing buckets over: the object-store write or the broadcast, and
+and the per-stage breakdown: gather (the trainer collecting its shards and stages to one rank),
+convert (into HF's layout: splitting fused q/k/v and gate/up; one walk with the gather), send (the trainer handing buckets over: the object-store write or the broadcast, and
 any wait for a slower consumer), load (vLLM taking the tensors, incl. its CPU repacking, on the rollout
 rank's share of its machine's cores: the other ranks wait), and wait
 (rollout idle for lack of a bucket; export and load overlap bucket by bucket). Separate meshes over
@@ -52,7 +52,7 @@ nodes:
      params: {{mini_batch_size: 4}}}}
 runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}}}
 """
-STAGES = ("sync/gather_s", "sync/send_s", "sync/write_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
+STAGES = ("sync/gather_s", "sync/convert_s", "sync/send_s", "sync/write_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
 
 
 class Memcpy:

@@ -108,11 +108,14 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         metrics = WeightSync(rt)("actor_update", "rollout", 1, transport=transport)
         assert metrics["sync/buckets"] > 5, "a small bucket size cuts the model into many buckets"
         assert metrics["sync/bytes"] > 0 and metrics["sync/load_s"] > 0
+        # the export's time, apart: splitting fused q/k/v and gate/up into HF tensors, and the rest
+        assert metrics["sync/convert_s"] > 0 and metrics["sync/gather_s"] > 0
         rt.synced["rollout"] = 1
         assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))  # the weights `transport` carried
         colocated = rt.sync_weights()  # only the colocated rollout is behind now
         # two consumers: each one's metrics under its own name
         assert colocated["sync/colo_rollout/handoff_s"] > 0 and colocated["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
+        assert colocated["sync/colo_rollout/convert_s"] > 0
         assert not any(k.startswith("sync/rollout/") for k in colocated)
         rt.synced = {"rollout": 0, "colo_rollout": 0}
         both = rt.sync_weights()
@@ -131,6 +134,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
             assert later["sync/rollout/buckets"] > 5 and "sync/rollout/write_s" not in later
         else:
             assert later["sync/rollout/write_s"] > 0 and "sync/rollout/buckets" not in later
+            assert later["sync/rollout/convert_s"] > 0
         assert later["sync/rollout/bytes"] == metrics["sync/bytes"]
         assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 12))
 
@@ -194,7 +198,7 @@ class ExportingEngine:
     def __init__(self, n: int, fail_at: int | None = None):
         self.n, self.walked, self.fail_at = n, 0, fail_at
 
-    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False):
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False, timings=None):
         for i in range(self.n):
             if i == self.fail_at:
                 raise RuntimeError("gather failed")

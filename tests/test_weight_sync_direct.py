@@ -121,7 +121,7 @@ class Trainer:
     def __init__(self, fail_at_sync: int | None = None):
         self.syncs, self.fail_at_sync = 0, fail_at_sync
 
-    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False):
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False, timings=None):
         self.syncs += 1
         for i, (name, t) in enumerate(export(self.syncs).items()):
             if self.syncs == self.fail_at_sync and i == 2:

@@ -46,13 +46,26 @@ class Aborted:
         return RuntimeError(f"the trainer's weight export failed: {self.reason}")
 
 
+def exported(engine, stats: dict, first_rank_only: bool = True) -> Iterator[Named]:
+    """The trainer engine's HF export (views where no conversion is needed), its time in `stats`:
+    sync/convert_s, into HF's layout (splitting fused q/k/v and gate/up, as the engine times it),
+    and sync/gather_s, the rest (collecting TP/EP shards and PP stages), once walked to its end."""
+    timings = {"convert_s": 0.0}
+    yield from timed(engine.export_hf_weights(copy=False, first_rank_only=first_rank_only, timings=timings),
+                     stats, "sync/gather_s")
+    stats["sync/convert_s"] = timings["convert_s"]
+    stats["sync/gather_s"] -= timings["convert_s"]
+
+
 class Buckets:
     """Pulls (name, tensor) pairs from an export into buckets of at most `bucket_bytes`, so a pipe's
-    fixed buffers fit them (a tensor is never split: one larger than that travels alone)."""
+    fixed buffers fit them (a tensor is never split: one larger than that travels alone). Counts
+    into `stats` (the dict the export's own timings go to, if any) the bytes and buckets."""
 
-    def __init__(self, named_tensors: Iterable[Named], bucket_bytes: int):
-        self.stats = {"sync/gather_s": 0.0, "sync/bytes": 0, "sync/buckets": 0}
-        self._tensors = timed(named_tensors, self.stats, "sync/gather_s")
+    def __init__(self, named_tensors: Iterable[Named], bucket_bytes: int, stats: dict | None = None):
+        self.stats = {} if stats is None else stats
+        self.stats.update({"sync/bytes": 0, "sync/buckets": 0})
+        self._tensors = iter(named_tensors)
         self._held: Named | None = None  # pulled, but did not fit the last bucket
         self.bucket_bytes = bucket_bytes
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from siirl_dag.weight_sync.buckets import Aborted, Buckets, nbytes, timed
+from siirl_dag.weight_sync.buckets import Aborted, Buckets, exported, nbytes, timed
 from siirl_dag.weight_sync.channel import ChannelPipe
 from siirl_dag.weight_sync.collective import SyncGroup
 from siirl_dag.weight_sync.direct import Recorder, Segment, Targets
@@ -106,9 +106,8 @@ class RankSync:
     def write(self, engine_key: str, pipe: str) -> dict:
         """The keeper: the export straight into the rollout ranks' parameters. `sync/write_s` is the
         time spent copying."""
-        stats = {"sync/gather_s": 0.0}
-        export = timed(self.engines[engine_key].export_hf_weights(copy=False, first_rank_only=True),
-                       stats, "sync/gather_s")
+        stats: dict = {}
+        export = exported(self.engines[engine_key], stats)
         t0 = time.perf_counter()
         try:
             stats["sync/bytes"] = self.targets[pipe].write(export)
@@ -116,14 +115,15 @@ class RankSync:
             with suppress(Exception):
                 for _ in export:
                     pass
-        stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"]
+        stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"] - stats["sync/convert_s"]
         return stats
 
     def inline(self, engine_key: str, bucket_bytes: int) -> InlinePipe:
         return InlinePipe(self._buckets(engine_key, bucket_bytes))
 
     def _buckets(self, engine_key: str, bucket_bytes: int) -> Buckets:
-        return Buckets(self.engines[engine_key].export_hf_weights(copy=False, first_rank_only=True), bucket_bytes)
+        stats: dict = {}
+        return Buckets(exported(self.engines[engine_key], stats), bucket_bytes, stats)
 
     # -- rollout ranks --------------------------------------------------------------------------
     def share(self, engine_key: str) -> str | None:
@@ -224,13 +224,13 @@ def handoff(src_engine: Any, dst_engine: Any, version: int, cores: int | None = 
             stats["sync/bytes"] += nbytes(t)
             yield name, t
 
-    export = src_engine.export_hf_weights(copy=False)
+    export = exported(src_engine, stats, first_rank_only=False)
     try:
         with torch.no_grad():  # the engine's loader runs in this thread's grad mode otherwise
-            dst_engine.load_weights(counted(timed(export, stats, "sync/gather_s")), version, cores=cores)
+            dst_engine.load_weights(counted(export), version, cores=cores)
     finally:  # a load that failed here must not leave the other trainer ranks in the export's collectives
         with suppress(Exception):
             for _ in export:
                 pass
     total = time.perf_counter() - t0
-    return {**stats, "sync/handoff_s": total, "sync/load_s": total - stats["sync/gather_s"]}
+    return {**stats, "sync/handoff_s": total, "sync/load_s": total - stats["sync/gather_s"] - stats["sync/convert_s"]}

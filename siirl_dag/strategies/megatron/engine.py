@@ -354,11 +354,13 @@ class MegatronEngine(Strategy):
             for m in self.train_state.model:
                 m.start_param_sync(force_sync=True)
 
-    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False,
+                          timings: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) on every rank, or whole on the first rank only; collective over
-        the model-parallel group. copy=False may yield views of the live parameters (see hf_convert.export_hf)."""
+        the model-parallel group. copy=False may yield views of the live parameters (see hf_convert.export_hf);
+        `timings["convert_s"]` accrues the seconds spent converting to HF's layout."""
         self._sync_params()
-        return hf_convert.export_hf(self.chunks, self.spec, copy, first_rank_only)
+        return hf_convert.export_hf(self.chunks, self.spec, copy, first_rank_only, timings)
 
     def save_hf(self, directory: str) -> None:
         self._sync_params()

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -265,9 +266,11 @@ def _gather(t: torch.Tensor, size: int, group, everyone: bool) -> list[torch.Ten
     return out
 
 
-def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool) -> list[tuple[str, torch.Tensor]]:
+def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool,
+                  timings: dict) -> list[tuple[str, torch.Tensor]]:
     """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered (to every rank,
-    or to the first of each group only). Without `copy` they may view the live parameters."""
+    or to the first of each group only). Without `copy` they may view the live parameters.
+    `timings["convert_s"]` accrues the time spent converting gathered shards to HF tensors."""
     ps = _ps()
     ep_size, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
     dense, experts = [], {}
@@ -279,9 +282,11 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool)
         shards = _gather(param, size if b.rule.kind != "copy" else 1, group, everyone)
         if not everyone and rank != 0:
             continue
+        t0 = time.perf_counter()
         hf = [t.contiguous() for t in to_hf(b.rule.kind, shards, spec)]
         if copy:
             hf = [t.clone() if t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() else t for t in hf]
+        timings["convert_s"] = timings.get("convert_s", 0.0) + time.perf_counter() - t0
         if b.expert is None:
             dense += zip(b.hf_names(), hf)
         else:
@@ -305,7 +310,7 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool)
 
 @torch.no_grad()
 def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
-              first_rank_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+              first_rank_only: bool = False, timings: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit.
 
     copy=False skips the copy of tensors whose layout needs no conversion: they then view the live
@@ -317,8 +322,9 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
 
     Collective: every rank of the model-parallel group must iterate it to the end. Per unit, the
     owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group (or
-    sends to the first stage).
+    sends to the first stage). `timings["convert_s"]`, if given, accrues the conversion's seconds.
     """
+    timings = {} if timings is None else timings
     ps = _ps()
     units: dict[tuple, list[Bound]] = {}
     for b in bind(chunks, spec.value_head):
@@ -333,7 +339,7 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
     device = next(p for c in chunks for p in c.parameters()).device
     for unit in sorted(owners):
         mine = unit in units
-        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only) if mine else []
+        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only, timings) if mine else []
         if pp_size > 1 and first_rank_only:
             tensors = _to_first_stage(tensors, owners[unit], pp_ranks, pp_group, device) if owners[unit] else tensors
         elif pp_size > 1:

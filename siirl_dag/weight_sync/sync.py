@@ -136,9 +136,10 @@ class WeightSync:
         return stats
 
     def _cores(self, dst_node: str) -> list[int | None]:
-        """The threads each rollout rank may load with (vLLM re-packs its weights on CPU): a sync runs
-        between steps, when the other ranks of its machine wait, so their cores are split among the
-        rollout ranks there. None (each keeps its own) on GPUs and in one process (backend=local)."""
+        """The threads each rollout rank may finish its load with (vLLM re-packs its weights on CPU): a
+        sync runs between steps, when the other ranks of its machine wait, so their cores are split
+        among the rollout ranks there. None (each keeps its own) on GPUs and in one process
+        (backend=local). In the order of the rollout's roles (its mesh's ranks)."""
         pipe = self.rt.pipe
         mesh = pipe.plan.meshes[pipe.nodes[dst_node].mesh]
         if pipe.cluster.device != "cpu" or self.rt.backend.name != "ray":

@@ -219,6 +219,24 @@ def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine,
     assert torch.equal(vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)["responses"], before["responses"])
 
 
+def test_a_load_finishes_with_the_cores_the_sync_lends_it(vllm_engine, tiny_model_dir, monkeypatch):
+    """The re-pack after a load (streamed or written in place) runs on the cores it is given, no
+    more than the process may use, and the engine's thread count comes back after."""
+    import os
+
+    from siirl_dag.strategies.vllm import cpu_compat
+
+    seen, repack = [], cpu_compat._repack
+    monkeypatch.setattr(cpu_compat, "_repack", lambda modules: (seen.append(torch.get_num_threads()), repack(modules)))
+    threads, usable, v = torch.get_num_threads(), len(os.sched_getaffinity(0)), vllm_engine.weights_version
+    vllm_engine.load_weights(checkpoint(tiny_model_dir).items(), version=v + 1, cores=2)
+    vllm_engine.expect_weights()
+    vllm_engine.weights_written(v + 2, cores=64)
+    vllm_engine.weights_written(v + 3)
+    assert seen == [min(2, usable), min(64, usable), threads] and torch.get_num_threads() == threads
+    assert vllm_engine.weights_version == v + 3
+
+
 def test_offload_onload_keep_the_engine_usable(vllm_engine):
     before = vllm_engine.generate(PROMPTS[:1], {"greedy": True}, P, R)
     vllm_engine.offload()

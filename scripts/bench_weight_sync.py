@@ -1,12 +1,12 @@
 """Weight sync trainer -> rollout on a model big enough to matter, against a memcpy of the same bytes.
 
     python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--bucket-mb 32]
-        [--train d1] [--transport object_store|collective] [--repeats 6] [--plain-weights] [--channel-only]
+        [--train d1] [--gen d1] [--transport object_store|collective] [--repeats 6] [--plain-weights] [--channel-only]
 
 Builds a random Qwen2-style model (fp32), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
 twice, with the rollout colocated on the trainer's rank and on a mesh of its own, and syncs the
 weights `--repeats` times (the first is a warm-up). Prints, per layout, the median (and best) sync time, the
-bytes moved, the median ratio of each sync to a single-threaded memcpy of its bytes in this process
+bytes exported (every rollout engine gets all of them: with `--gen d2` they move twice), the median ratio of each sync to a single-threaded memcpy of its bytes in this process
 timed just before it (target <= 3x; a shared VM drifts during a run, and both sides of a ratio drift together),
 for separate meshes also two such copies in two processes at once (a floor for their two copies),
 and the per-stage breakdown: gather (the trainer collecting its shards and stages to one rank),
@@ -107,10 +107,11 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     from siirl_dag.weight_sync import WeightSync
 
     world = parse_allocation(f"megatron:{args.train}")[0].world_size
-    gen = '{alloc: "vllm:d%d", colocate_with: train}' % world if layout == "colocated" else '"vllm:d1"'
+    rollout = parse_allocation(f"vllm:{args.gen}")[0] if layout == "separate" else None
+    gen = '{alloc: "vllm:d%d", colocate_with: train}' % world if layout == "colocated" else f'"vllm:{args.gen}"'
     f = tmp / f"{layout}.yaml"
-    f.write_text(PIPELINE.format(devices=world + (layout == "separate"), model=model, train=args.train, gen=gen,
-                                 bucket_mb=args.bucket_mb, packed=str(not args.plain_weights).lower()))
+    f.write_text(PIPELINE.format(devices=world + (rollout.world_size if rollout else 0), model=model, train=args.train,
+                                 gen=gen, bucket_mb=args.bucket_mb, packed=str(not args.plain_weights).lower()))
     runs, copies = [], []
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         sync = WeightSync(rt, direct=not args.channel_only)
@@ -128,7 +129,8 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     ratio = statistics.median(t / c for t, c in zip(times, copies))
     how = None if layout == "colocated" else args.transport + ("" if args.channel_only or args.transport != "object_store"
                                                                 else " + direct writes")
-    out = {"layout": layout, "train": args.train, "transport": how,
+    out = {"layout": layout, "train": args.train, "gen": args.gen if layout == "separate" else None, "transport": how,
+           "engines": rollout.dp if rollout else world,  # each gets the whole model (its TP ranks a shard each)
            "bytes": nbytes, "buckets": warmup.get("sync/buckets"), "sync_s": round(total, 4), "sync_min_s": round(min(times), 4),
            "memcpy_s": round(copy, 4), "ratio_to_memcpy": round(ratio, 2), "target_ratio": 3.0,
            "sync_GBps": round(nbytes / total / 1e9, 3)}
@@ -146,6 +148,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=32)
     ap.add_argument("--train", default="d1", help="the trainer's allocation, e.g. d1, t2, p2")
+    ap.add_argument("--gen", default="d1", help="the rollout's allocation on separate meshes, e.g. d1, d2, t2")
     ap.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
     ap.add_argument("--layouts", default="colocated,separate")
     ap.add_argument("--repeats", type=int, default=6)
@@ -172,8 +175,10 @@ def main() -> None:
           f"buckets of {args.bucket_mb} MB; vLLM weights {'plain' if args.plain_weights else 'packed'} on CPU")
     for r in results:
         stages = ", ".join(f"{k} {1000 * v:.0f}" for k, v in r["stages_s"].items())
-        how = f"train {r['train']}" + (f", {r['transport']}, {r['buckets']} buckets" if r["transport"] else "")
-        print(f"{r['layout']:>9} ({how}): {r['bytes'] / 2**20:.0f} MiB in {1000 * r['sync_s']:.0f} ms "
+        how = ", ".join([f"train {r['train']}"] + ([f"rollout {r['gen']}"] if r["gen"] else []) +
+                        ([r["transport"], f"{r['buckets']} buckets"] if r["transport"] else []))
+        into = f" into each of {r['engines']} engines" if r["engines"] > 1 else ""
+        print(f"{r['layout']:>9} ({how}): {r['bytes'] / 2**20:.0f} MiB{into} in {1000 * r['sync_s']:.0f} ms "
               f"(median; best {1000 * r['sync_min_s']:.0f}) = "
               f"{r['ratio_to_memcpy']:.1f}x memcpy ({1000 * r['memcpy_s']:.0f} ms; target <= 3x); stages ms: {stages}")
         if "concurrent_memcpy_s" in r:

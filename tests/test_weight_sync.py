@@ -7,6 +7,11 @@ Ray actors, and the driver's protocol in one process."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -242,6 +247,33 @@ def channel_sync(trainer_engine, *rollout_engines, syncs: int = 1):
                 out.append(error)
         results.append(out)
     return results, ray.get(keeper.engine.remote()), *ray.get([r.engine.remote() for r in readers])
+
+
+@contextlib.contextmanager
+def leftovers(*names: str):
+    """Files in /dev/shm named `name.format(pid=...)`, for a process that has ended and for a live
+    one (this test's parent); yields (the dead one's, the live one's) paths, removed after."""
+    from siirl_dag.weight_sync.shm import SHM_DIR
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    paths = [[os.path.join(SHM_DIR, name.format(pid=pid)) for name in names] for pid in (dead, os.getppid())]
+    for path in paths[0] + paths[1]:
+        open(path, "wb").close()
+    try:
+        yield paths
+    finally:
+        for path in paths[0] + paths[1]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
+    """Ray names a channel buffer's two semaphores after its raylet and never unlinks them."""
+    with leftovers("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
+        [(sent, received)], _, _ = channel_sync(ExportingEngine(3), RecordingEngine())
+        assert received["sync/load_s"] > 0
+        assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
 
 
 def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_references():

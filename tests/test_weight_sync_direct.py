@@ -93,24 +93,11 @@ def test_a_small_dev_shm_is_refused_before_anything_moves(monkeypatch):
 
 
 def test_files_of_dead_processes_are_swept_and_live_ones_kept():
-    import subprocess
-    import sys
+    from test_weight_sync import leftovers
 
-    from siirl_dag.weight_sync.direct import SHM_DIR
-
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    stale, live = (os.path.join(SHM_DIR, f"siirl-weights-{pid}-0") for pid in (dead, os.getppid()))
-    for path in (stale, live):
-        open(path, "wb").close()
-    try:
-        segment = Segment(FusingModel().parameters())
-        segment.unlink()
-        assert not os.path.exists(stale) and os.path.exists(live)
-    finally:
-        for path in (stale, live):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    with leftovers("siirl-weights-{pid}-0") as (stale, live):
+        Segment(FusingModel().parameters()).unlink()
+        assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
 
 
 # --- the driver's protocol between Ray actors -----------------------------------------------------

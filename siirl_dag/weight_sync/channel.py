@@ -21,6 +21,11 @@ so a pair holds two buffers of its largest bucket, whatever weight_sync_bucket_m
 that size up front (256 MiB by default), they took 2.6 s to make for the demo's 2 MB model. Ray's
 channels reach readers on the writer's machine only; other clusters sync over a process group
 (`collective`).
+
+Each buffer has two named semaphores, files in /dev/shm named after the raylet that made them,
+which Ray unlinks only in destructors that a stopped session does not always run: a run of
+bench_weight_sync.py left 20 behind, and 3,000 had piled up here. So a new channel first removes
+those whose raylet is gone.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from typing import Any
 import torch
 
 from siirl_dag.weight_sync.buckets import from_wire, nbytes, to_wire
+from siirl_dag.weight_sync.shm import sweep_dead
 
 SLOTS = 2
 POLL_S = 0.001
 FIRST_BYTES = 2**20  # a buffer's size until a bucket needs more
+# the two named semaphores of each channel buffer, named after the process that made the buffer
+RAY_SEMAPHORES = r"sem\.(?:obj|hdr)(\d+)-\d+"
 
 
 class ChannelPipe:
@@ -57,6 +65,7 @@ class ChannelPipe:
         if any(node != here.get_node_id() for _, node in readers):
             raise ValueError("the object_store weight-sync transport reaches rollout ranks on the machine of the "
                              "trainer's rank 0 only; use the collective transport across machines")
+        sweep_dead(RAY_SEMAPHORES)  # left by Ray sessions before this one (see the module doc)
         return cls(BufferedSharedMemoryChannel(here.current_actor, readers, SLOTS, FIRST_BYTES))
 
     def write(self, payload: Any) -> None:

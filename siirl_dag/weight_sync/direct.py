@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from siirl_dag.weight_sync.buckets import Named, nbytes
+from siirl_dag.weight_sync.shm import SHM_DIR, sweep_dead
 
-SHM_DIR = "/dev/shm"
 _PREFIX = "siirl-weights-"
 _ALIGN = 64
 _COUNT = itertools.count()
@@ -76,7 +75,7 @@ class Segment:
         for p in params:
             offsets.append(total)
             total += -(-nbytes(p) // _ALIGN) * _ALIGN
-        _sweep()
+        sweep_dead(rf"{_PREFIX}(\d+)-\d+")  # files of rollouts that died before a keeper mapped (and unlinked) them
         self.path, self.nbytes = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{next(_COUNT)}"), max(total, _ALIGN)
         try:
             fs = os.statvfs(SHM_DIR)
@@ -96,16 +95,6 @@ class Segment:
     def unlink(self) -> None:
         with suppress(FileNotFoundError):
             os.unlink(self.path)
-
-
-def _sweep() -> None:
-    """Remove the files of processes that died before their keeper mapped (and unlinked) them."""
-    with suppress(OSError):
-        for name in os.listdir(SHM_DIR):
-            match = re.fullmatch(rf"{_PREFIX}(\d+)-\d+", name)
-            if match and not os.path.exists(f"/proc/{match.group(1)}"):
-                with suppress(OSError):
-                    os.unlink(os.path.join(SHM_DIR, name))
 
 
 def _written(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:

@@ -42,7 +42,7 @@ from siirl_dag.weight_sync.shm import sweep_dead
 SLOTS = 2
 POLL_S = 0.001
 FIRST_BYTES = 2**20  # a buffer's size until a bucket needs more
-# the two named semaphores of each channel buffer, named after the process that made the buffer
+# the two named semaphores of each channel buffer, named after the raylet that made the buffer
 RAY_SEMAPHORES = r"sem\.(?:obj|hdr)(\d+)-\d+"
 
 

@@ -1,5 +1,6 @@
-"""/dev/shm housekeeping: files named after the process that made them outlive it when it is killed
-(Ray kills its workers at shutdown, so their destructors never unlink what they made)."""
+"""/dev/shm housekeeping: files named after the process that made them outlive it when it ends
+without removing them (killed, or a destructor that never ran), and hold memory until the machine
+restarts."""
 
 from __future__ import annotations
 

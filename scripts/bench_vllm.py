@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for both engines")
     p.add_argument("--plain-weights", action="store_true",
-                   help="vLLM option cpu_packed_weights: false (torch linear on plain weights; cheaper updates)")
+                   help="vLLM option cpu_packed_weights: false (oneDNN on the plain weights; cheaper updates)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = p.parse_args()

@@ -27,11 +27,11 @@ def test_plain_fp32_weights_run_onednn_and_an_update_is_a_write_into_them():
 
     x = torch.randn(5, 32)
     with cpu_compat.linear_packing(False):
-        plain, half = layer(), layer(torch.bfloat16)
+        plain, bf16 = layer(), layer(torch.bfloat16)
         utils.dispatch_cpu_unquantized_gemm(plain, remove_weight=True)
-        utils.dispatch_cpu_unquantized_gemm(half, remove_weight=True)
+        utils.dispatch_cpu_unquantized_gemm(bf16, remove_weight=True)
     assert plain.cpu_linear is cpu_compat._linear_on_plain and not cpu_compat._packed(plain)
-    assert half.cpu_linear is not cpu_compat._linear_on_plain, "oneDNN's plain path is fp32 only here"
+    assert bf16.cpu_linear is not cpu_compat._linear_on_plain, "oneDNN's plain path is fp32 only here"
     plain.weight.data.mul_(-2)  # what a weight update does: a write into the parameter
     torch.testing.assert_close(plain.cpu_linear(x, plain.weight, None), torch.nn.functional.linear(x, plain.weight))
     compiled = torch.compile(lambda x, w: plain.cpu_linear(x, w, None) + 1)  # vLLM compiles its model unless eager

@@ -269,7 +269,7 @@ def leftovers(*names: str):
 
 
 def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
-    """Ray names a channel buffer's two semaphores after its raylet and never unlinks them."""
+    """Ray names a channel buffer's two semaphores after its raylet and does not always unlink them."""
     with leftovers("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
         [(sent, received)], _, _ = channel_sync(ExportingEngine(3), RecordingEngine())
         assert received["sync/load_s"] > 0

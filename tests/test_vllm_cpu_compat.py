@@ -5,14 +5,15 @@ import os
 import torch
 
 from siirl_dag.strategies.vllm import cpu_compat
+from siirl_dag.weight_sync.cores import borrowed
 
 
-def test_a_load_finishes_with_the_cores_it_is_given_then_gives_them_back():
+def test_a_sync_borrows_the_cores_it_is_given_then_gives_them_back():
     before = torch.get_num_threads()
-    with cpu_compat._threads(64):  # never more than the process may run on
+    with borrowed(64):  # never more than the process may run on
         assert torch.get_num_threads() == min(64, len(os.sched_getaffinity(0)))
     assert torch.get_num_threads() == before
-    with cpu_compat._threads(None):
+    with borrowed(None):
         assert torch.get_num_threads() == before
 
 
@@ -41,3 +42,38 @@ def test_plain_fp32_weights_run_onednn_and_an_update_is_a_write_into_them():
         packed = layer()
         utils.dispatch_cpu_unquantized_gemm(packed, remove_weight=True)
     assert cpu_compat._packed(packed) and packed.weight.numel() > 0, "packed, and the plain weight kept for updates"
+    assert not hasattr(packed, "row_blocks"), "48 rows: oneDNN pads them, so vLLM's own packing"
+
+
+def test_packed_fp32_weights_are_row_blocks_that_a_sync_writes_like_a_plain_weight():
+    """cpu_packed_weights (the default): oneDNN's packed layout, in a parameter of ours, so an update
+    rearranges the plain weight into it, or a sync writes it directly, instead of re-packing."""
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from siirl_dag.weight_sync import row_blocks
+
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(256, 32), requires_grad=False)
+    embedding = VocabParallelEmbedding.__new__(VocabParallelEmbedding)  # its __init__ wants a TP group
+    torch.nn.Module.__init__(embedding)
+    embedding.weight = torch.nn.Parameter(torch.randn(256, 32), requires_grad=False)
+    with cpu_compat.linear_packing(True):
+        utils.dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+        utils.dispatch_cpu_unquantized_gemm(embedding, remove_weight=True)
+    assert cpu_compat.blocked_weights(module) == [(module.weight, module.row_blocks)]
+    assert cpu_compat.blocked_weights(embedding) == [], "its lookup reads the plain weight: vLLM's packing"
+    x = torch.randn(5, 32)
+    compiled = torch.compile(lambda x: module.cpu_linear(x, module.weight, None) + 1)
+    for update in range(3):
+        if update == 1:  # a load: new plain weights, then the finish rearranges them
+            module.weight.data.copy_(torch.randn(256, 32))
+            cpu_compat._repack([module])
+        new = module.weight.data
+        if update == 2:  # a sync wrote the blocks (moved into other memory, as a shared segment does)
+            new = torch.randn(256, 32)
+            module.row_blocks.data = torch.empty_like(module.row_blocks)
+            row_blocks.copy_into(module.row_blocks, new)
+            cpu_compat._repack([module], blocks_written=True)
+        torch.testing.assert_close(module.cpu_linear(x, module.weight, None), torch.nn.functional.linear(x, new))
+        torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, new) + 1)

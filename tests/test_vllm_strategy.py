@@ -227,7 +227,7 @@ def test_a_load_finishes_with_the_cores_the_sync_lends_it(vllm_engine, tiny_mode
     from siirl_dag.strategies.vllm import cpu_compat
 
     seen, repack = [], cpu_compat._repack
-    monkeypatch.setattr(cpu_compat, "_repack", lambda modules: (seen.append(torch.get_num_threads()), repack(modules)))
+    monkeypatch.setattr(cpu_compat, "_repack", lambda *a: (seen.append(torch.get_num_threads()), repack(*a)))
     threads, usable, v = torch.get_num_threads(), len(os.sched_getaffinity(0)), vllm_engine.weights_version
     vllm_engine.load_weights(checkpoint(tiny_model_dir).items(), version=v + 1, cores=2)
     vllm_engine.expect_weights()

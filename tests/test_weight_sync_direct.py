@@ -65,6 +65,55 @@ def test_a_recorded_load_replays_into_the_shared_parameters_and_its_file_is_gone
     torch.testing.assert_close(model.bias.data, new["bias"], rtol=0, atol=0)
 
 
+def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
+    return weight.unflatten(0, (-1, block)).transpose(1, 2).contiguous()
+
+
+class RowBlockedModel(torch.nn.Module):
+    """A fused weight of 12 rows that computes from row blocks of 4 (like vLLM's CPU linear layers):
+    q (rows 0-5) and k (6-11) cut row blocks in the middle, so their copies do too."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(12, 3))
+        self.blocks = torch.nn.Parameter(torch.zeros(3, 3, 4))
+
+    def load(self, named):
+        with torch.no_grad():
+            for name, t in named:
+                self.weight.data.narrow(0, 0 if name == "q" else 6, 6).copy_(t)
+
+
+def test_copies_into_a_packed_weight_are_replayed_into_its_row_blocks_whatever_rows_they_cover():
+    model = RowBlockedModel()
+    recorder = Recorder(Segment(model.parameters(), [(model.weight, model.blocks)]))
+    first = {"q": torch.randn(6, 3), "k": torch.randn(6, 3)}
+    with recorder:
+        model.load(recorder.track(first.items()))
+    plan = recorder.plan()
+    assert [len(plan.copies[n]) for n in ("q", "k")] == [2, 2], "a whole block and part of one, each"
+    targets = Targets([plan])
+    new = {"q": torch.randn(6, 3), "k": torch.randn(3, 6).t()}  # any strides
+    targets.write(new.items())
+    torch.testing.assert_close(model.blocks.data, blocked(torch.cat([new["q"], new["k"]]), 4), rtol=0, atol=0)
+    torch.testing.assert_close(model.weight.data, torch.cat([first["q"], first["k"]]), rtol=0, atol=0,
+                               msg="the plain weight is no longer written: the layer reads its blocks")
+
+
+def test_row_blocks_are_written_the_same_compiled_or_not():
+    from siirl_dag.weight_sync import row_blocks
+
+    src = torch.randn(4096, 320)  # over the size that runs compiled
+    big = torch.zeros(4096 // 64, 320, 64)
+    row_blocks.copy_into(big, src)
+    torch.testing.assert_close(big, blocked(src, 64), rtol=0, atol=0)
+    small = torch.zeros(2, 3, 64)
+    row_blocks.copy_into(small, src[:128, :3])
+    torch.testing.assert_close(small, blocked(src[:128, :3], 64), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        row_blocks.copy_into(small, src[:64, :3])
+
+
 def test_a_loader_that_computes_makes_no_plan():
     recorder = recorded(FusingModel(), transform=lambda t: t * 2)
     assert recorder.plan() is None and "something other than a slice" in recorder.problem

@@ -12,8 +12,9 @@ rollout engine (each shards them for its own TP), stamped with the trainer's ver
   the trainer's rank 0 and the rollout ranks (`collective`: NCCL, or gloo on CPU). After a first
   sync through the channel, the trainer's rank 0 writes straight into the rollout's parameters,
   shared with it (`direct`): one copy per tensor instead of two.
-- A sync runs between steps, while the other ranks wait: on CPU each rollout rank finishes its load
-  (vLLM's re-pack) with its share of its machine's cores (`sync`).
+- A sync runs between steps, while the other ranks wait: on CPU the trainer's writes and each
+  rollout rank's finish (re-packs) borrow their machine's cores (`cores`). CPU linear layers compute
+  from packed row blocks that a sync writes in place (`row_blocks`).
 
 The rollout refuses to generate with weights older than the trainer's version minus
 runtime.staleness (`NodeContext.check_weights_version`), and after a load that failed part-way at

@@ -10,6 +10,9 @@ How:
   the record, a `Plan`, is the loader itself, replayable without vLLM.
 - The keeper maps the file (`Targets`) and replays the plan on its export at every later sync;
   the rollout then only finishes the load (re-packs packed layers) and stamps the version.
+- A parameter the rollout computes from through a packed copy in row blocks (`row_blocks`; its CPU
+  linear layers) is shared with that copy: its recorded copies are replayed into the copy instead,
+  rearranged on the way, so nothing is left to re-pack (its plain weight is then no longer read).
 A loader that does anything else to a parameter (a cast, a transpose, arithmetic) makes no plan,
 and that pair keeps the channel.
 
@@ -32,6 +35,7 @@ from typing import Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from siirl_dag.weight_sync import row_blocks
 from siirl_dag.weight_sync.buckets import Named, nbytes
 from siirl_dag.weight_sync.shm import SHM_DIR, sweep_dead
 
@@ -51,6 +55,7 @@ class Copy:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    blocked: bool = False  # into row blocks (`row_blocks.copy_into`): the slice is rearranged
 
 
 @dataclass
@@ -65,9 +70,12 @@ class Plan:
 
 
 class Segment:
-    """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`)."""
+    """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`).
+    `blocked`: (weight, its row blocks) pairs among them, where copies into the weight go into its
+    row blocks instead."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]):
+    def __init__(self, params: Iterable[torch.nn.Parameter],
+                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter]] = ()):
         params = list({id(p): p for p in params}.values())
         if not params or any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
             raise ValueError("direct writes need contiguous CPU parameters")
@@ -91,6 +99,23 @@ class Segment:
                 moved.copy_(p.data)
                 p.data = moved
         self.pointer = self.memory.untyped_storage().data_ptr()
+        # (first byte, end, columns, rows per block, the blocks' first element) per blocked weight
+        self._blocked = [(w.storage_offset() * w.element_size(), (w.storage_offset() + w.numel()) * w.element_size(),
+                          w.shape[1], b.shape[2], b.storage_offset()) for w, b in blocked]
+
+    def into_row_blocks(self, dst: torch.Tensor) -> list[tuple[int, int, int, tuple, tuple]] | None:
+        """If `dst` lies in a blocked weight: where a copy into it goes in the weight's row blocks,
+        per piece (`row_blocks.pieces`: first row of `dst`, rows, then offset, size and stride);
+        None for any other parameter."""
+        start = dst.storage_offset() * dst.element_size()
+        for first, end, row_length, block, blocks in self._blocked:
+            if first <= start < end:
+                if dst.dim() != 2 or dst.stride() != (row_length, 1):
+                    raise ValueError("the loader copies into a packed layer's weight other than whole rows of it")
+                row, col = divmod((start - first) // dst.element_size(), row_length)
+                return [(a, n, blocks + offset + col * block, size, stride)
+                        for a, n, size, stride, offset in row_blocks.pieces(row, dst.shape[0], dst.shape[1], row_length, block)]
+        return None
 
     def unlink(self) -> None:
         with suppress(FileNotFoundError):
@@ -164,7 +189,16 @@ class Recorder(TorchDispatchMode):
         if index is None:
             self.problem = self.problem or "the loader copies into a parameter something other than a slice of a tensor it was given"
             return
-        self._plan.copies[name].append(Copy(index, dst.dtype, dst.storage_offset(), tuple(dst.shape), dst.stride()))
+        try:
+            blocked = self.segment.into_row_blocks(dst)
+        except ValueError as exc:
+            self.problem = self.problem or str(exc)
+            return
+        if blocked is None:
+            self._plan.copies[name].append(Copy(index, dst.dtype, dst.storage_offset(), tuple(dst.shape), dst.stride()))
+        for row, rows, offset, size, stride in blocked or ():
+            (start, _), *rest = index  # the rows of this piece, of the slice copied
+            self._plan.copies[name].append(Copy(((start + row, rows), *rest), dst.dtype, offset, size, stride, True))
 
 
 class Targets:
@@ -174,7 +208,7 @@ class Targets:
         self.shapes = plans[0].shapes
         if any(p.shapes != self.shapes for p in plans):
             raise ValueError("rollout ranks recorded different exports")
-        self.views: dict[str, list[tuple[tuple[slice, ...], torch.Tensor]]] = defaultdict(list)
+        self.views: dict[str, list[tuple[tuple[slice, ...], torch.Tensor, bool]]] = defaultdict(list)
         self.paths = [p.path for p in plans]
         try:
             for plan in plans:
@@ -184,7 +218,7 @@ class Targets:
                 for name, copies in plan.copies.items():
                     for c in copies:
                         dst = memory.view(c.dtype).as_strided(c.size, c.stride, c.offset)
-                        self.views[name].append((tuple(slice(s, s + n) for s, n in c.index), dst))
+                        self.views[name].append((tuple(slice(s, s + n) for s, n in c.index), dst, c.blocked))
         finally:
             for path in self.paths:
                 with suppress(FileNotFoundError):
@@ -201,8 +235,11 @@ class Targets:
                                        "rollout's recorded load does not expect")
                 seen.add(name)
                 total += nbytes(t)
-                for index, dst in self.views.get(name, ()):
-                    dst.copy_(t[index])
+                for index, dst, blocked in self.views.get(name, ()):
+                    if blocked:
+                        row_blocks.copy_into(dst, t[index])
+                    else:
+                        dst.copy_(t[index])
         if len(seen) != len(self.shapes):
             missing = sorted(set(self.shapes) - seen)
             raise RuntimeError(f"the trainer's export ended without {missing[:3]} ({len(missing)} tensors)")

@@ -27,6 +27,7 @@ import torch
 from siirl_dag.weight_sync.buckets import Aborted, Buckets, exported, nbytes, timed
 from siirl_dag.weight_sync.channel import ChannelPipe
 from siirl_dag.weight_sync.collective import SyncGroup
+from siirl_dag.weight_sync.cores import borrowed
 from siirl_dag.weight_sync.direct import Recorder, Segment, Targets
 
 log = logging.getLogger(__name__)
@@ -103,14 +104,15 @@ class RankSync:
         """Map every rollout rank's recorded plan: later syncs over `pipe` may `write`."""
         self.targets[pipe] = Targets(plans)
 
-    def write(self, engine_key: str, pipe: str) -> dict:
-        """The keeper: the export straight into the rollout ranks' parameters. `sync/write_s` is the
-        time spent copying."""
+    def write(self, engine_key: str, pipe: str, cores: int | None = None) -> dict:
+        """The keeper: the export straight into the rollout ranks' parameters, with `cores` threads
+        if given. `sync/write_s` is the time spent copying."""
         stats: dict = {}
         export = exported(self.engines[engine_key], stats)
         t0 = time.perf_counter()
         try:
-            stats["sync/bytes"] = self.targets[pipe].write(export)
+            with borrowed(cores):
+                stats["sync/bytes"] = self.targets[pipe].write(export)
         finally:  # the other trainer ranks finish their collective walk
             with suppress(Exception):
                 for _ in export:
@@ -133,7 +135,7 @@ class RankSync:
         if not hasattr(engine, "weight_parameters"):
             return None
         try:
-            segment = Segment(engine.weight_parameters())
+            segment = Segment(engine.weight_parameters(), getattr(engine, "blocked_weights", list)())
         except ValueError as exc:
             log.warning("weight sync into %s stays on the channel: %s", engine_key, exc)
             return None

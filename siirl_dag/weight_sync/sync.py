@@ -121,7 +121,8 @@ class WeightSync:
         backend, (src_node, dst_node) = self.rt.backend, pair
         (keeper, role), walkers = self.rt.roles[src_node][0], self.rt.roles[src_node][1:]
         calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
-        calls.append(backend.call(keeper, "weight_sync", "write", role.engine_key, pipe))
+        machine = self._machine_cores()  # the keeper writes while every other rank waits for it
+        calls.append(backend.call(keeper, "weight_sync", "write", role.engine_key, pipe, machine and max(1, int(machine))))
         # each rollout rank finishes once the write is done (Ray hands it the write's result, no
         # round trip through here); if the write fails, so do these, unrun
         loads = [backend.call(w, "weight_sync", "written", r.engine_key, version, cores, calls[-1])
@@ -140,13 +141,19 @@ class WeightSync:
         sync runs between steps, when the other ranks of its machine wait, so their cores are split
         among the rollout ranks there. None (each keeps its own) on GPUs and in one process
         (backend=local). In the order of the rollout's roles (its mesh's ranks)."""
-        pipe = self.rt.pipe
+        pipe, cores = self.rt.pipe, self._machine_cores()
         mesh = pipe.plan.meshes[pipe.nodes[dst_node].mesh]
-        if pipe.cluster.device != "cpu" or self.rt.backend.name != "ray":
+        if cores is None:
             return [None] * len(mesh.ranks)
-        cores = pipe.cluster.devices_per_node * pipe.runtime.cpus_per_rank
         sharing = Counter(slot.machine for slot in mesh.ranks)
         return [max(1, int(cores // sharing[slot.machine])) for slot in mesh.ranks]
+
+    def _machine_cores(self) -> float | None:
+        """The cores of one machine, for its ranks (`weight_sync.cores`); None on GPUs and in one process."""
+        pipe = self.rt.pipe
+        if pipe.cluster.device != "cpu" or self.rt.backend.name != "ray":
+            return None
+        return pipe.cluster.devices_per_node * pipe.runtime.cpus_per_rank
 
     def _all(self, calls: list) -> list:
         """Every call's result, raising the first failure as soon as it happens (not after the calls

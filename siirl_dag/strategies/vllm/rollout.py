@@ -205,6 +205,11 @@ class VllmRollout(Strategy):
         """The tensors `load_weights` writes into (a weight sync may move them into shared memory)."""
         return self.llm.collective_rpc("siirl_parameters")[0]
 
+    def blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(weight, its packed row blocks) among `weight_parameters`: the layer computes from the
+        blocks, so a write in place goes into them (`weight_sync.row_blocks`)."""
+        return self.llm.collective_rpc("siirl_blocked_weights")[0]
+
     def expect_weights(self) -> None:
         """Another process is about to write the weights in place: refuse to generate until
         `weights_written`."""
@@ -214,7 +219,7 @@ class VllmRollout(Strategy):
         """The weights of `version` are in place: finish the load (re-pack, with `cores` threads as
         in `load_weights`) and stamp it."""
         self._check_version(version)
-        self.llm.collective_rpc("siirl_finish_load", args=(cores,))
+        self.llm.collective_rpc("siirl_finish_load", args=(cores, True))
         self._stamp(version)
 
     def _check_version(self, version: int) -> None:

@@ -25,10 +25,14 @@ class WeightSyncExtension:
             self.model_runner.get_model().load_weights(weights)
         self.siirl_finish_load(cores)
 
-    def siirl_finish_load(self, cores: int | None = None) -> None:
-        """What follows new weights in place, however they got there (with `cores` threads)."""
+    def siirl_finish_load(self, cores: int | None = None, blocks_written: bool = False) -> None:
+        """What follows new weights in place, however they got there (with `cores` threads;
+        `blocks_written`: a weight sync wrote the packed row blocks, see `cpu_compat.finish_load`)."""
         if cpu_compat.active():
-            cpu_compat.finish_load(self, cores)
+            cpu_compat.finish_load(self, cores, blocks_written)
 
     def siirl_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model_runner.get_model().parameters())
+
+    def siirl_blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        return cpu_compat.blocked_weights(self.model_runner.get_model()) if cpu_compat.active() else []

@@ -65,6 +65,23 @@ def test_a_recorded_load_replays_into_the_shared_parameters_and_its_file_is_gone
     torch.testing.assert_close(model.bias.data, new["bias"], rtol=0, atol=0)
 
 
+def test_tensors_given_as_views_of_one_fused_weight_are_told_apart():
+    """In process (colocated meshes) the export is views of the trainer's own fused weights."""
+    model = FusingModel()
+
+    def views(fused, bias):
+        return [("q", fused[:4]), ("k", fused[4:]), ("bias", bias), ("unused", bias[:2])]
+
+    recorder = Recorder(Segment(model.parameters()))
+    with recorder:
+        model.load(recorder.track(views(torch.randn(8, 3), torch.randn(4))))
+    targets = Targets([recorder.plan()])
+    fused, bias = torch.randn(8, 3), torch.randn(4)
+    targets.write(views(fused, bias))
+    torch.testing.assert_close(model.qk.data, torch.cat([fused[2:4], fused[6:]]), rtol=0, atol=0)
+    torch.testing.assert_close(model.bias.data, bias, rtol=0, atol=0)
+
+
 def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
     return weight.unflatten(0, (-1, block)).transpose(1, 2).contiguous()
 

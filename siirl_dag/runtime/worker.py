@@ -131,25 +131,26 @@ class RankWorker:
     def weight_sync(self, op: str, *args):
         """One rank's part of a sync between separate meshes (send/export on the trainer's ranks,
         receive on the rollout's, and the pipe's set-up): see weight_sync.rank."""
+        if op in ("send", "export", "receive"):  # args[0]: the engine that exports or loads
+            self._activate(args[0])
+        return getattr(self._rank_sync(), op)(*args)
+
+    def _rank_sync(self):
         from siirl_dag import weight_sync
 
         if self._weight_sync is None:
             self._weight_sync = weight_sync.RankSync(self.engines)
-        if op in ("send", "export", "receive"):  # args[0]: the engine that exports or loads
-            self._activate(args[0])
-        return getattr(self._weight_sync, op)(*args)
+        return self._weight_sync
 
     def sync_handoff(self, src_key: str, dst_key: str, version: int, cores: int | None = None) -> dict:
         """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives
         the device up first), load from the trainer in memory, then free the trainer."""
-        from siirl_dag import weight_sync
-
         if self.active not in (None, src_key, dst_key):
             self.engines[self.active].offload()
         for key in (src_key, dst_key):
             if key != self.active:
                 self.engines[key].onload()
-        stats = weight_sync.handoff(self.engines[src_key], self.engines[dst_key], version, cores)
+        stats = self._rank_sync().handoff(src_key, dst_key, version, cores)
         self.engines[src_key].offload()
         self.active = dst_key
         return stats

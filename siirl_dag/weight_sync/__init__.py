@@ -3,7 +3,8 @@ stages, EP experts, virtual chunks) into HF-named tensors, streamed in buckets, 
 rollout engine (each shards them for its own TP), stamped with the trainer's version.
 
 - Colocated meshes (the rollout engine lives in the trainer's rank processes): each rank's engine
-  loads straight from the export iterator (`rank.handoff`), no serialization.
+  loads straight from the export iterator (`rank.handoff`), no serialization; on CPU later syncs
+  replay the first one's recorded copies straight into the rollout's parameters (`direct`).
 - Separate meshes: the export is gathered to the trainer's rank 0 only, which cuts it into buckets
   of at most runtime.weight_sync_bucket_mb (`buckets`) and writes them into a pipe that every
   rollout rank reads into one engine load (`rank`); the driver only starts the ranks' parts and

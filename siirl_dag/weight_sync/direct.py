@@ -1,11 +1,13 @@
 """Separate meshes on one CPU machine, after the first sync: the trainer's rank 0 writes its export
 straight into the rollout's parameters, one copy per tensor (through the channel every tensor is
 copied twice, into shared memory and out of it into the engine, on the same memory bus).
+Colocated meshes on CPU replay the same way in process (`RankSync.handoff`), skipping vLLM's loader.
 
 How:
 - The rollout moves the parameters its loader writes into one shared-memory file (`Segment`).
 - It loads the first sync from the channel as usual while a dispatch mode (`Recorder`) records
-  every copy its loader makes into that file: which slice of which incoming tensor lands where.
+  every copy its loader makes into that file: which slice of which incoming tensor lands where
+  (an incoming tensor may itself be a view, e.g. of the trainer's fused gate/up weight).
   vLLM's loaders only narrow and copy (fusing q/k/v and gate/up, cutting the rank's TP shard), so
   the record, a `Plan`, is the loader itself, replayable without vLLM.
 - The keeper maps the file (`Targets`) and replays the plan on its export at every later sync;
@@ -131,20 +133,33 @@ def _written(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
                 yield value
 
 
-def _as_slices(src: torch.Tensor, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
-    """`src`, a view of a contiguous tensor of `shape`, as (start, length) per dim, or None if it is
-    not a plain slice of it."""
-    if src.dim() != len(shape):
-        return None
-    contiguous = torch.empty(shape, device="meta").stride()
-    starts, rest = [], src.storage_offset()
-    for stride in contiguous:
-        start, rest = divmod(rest, stride) if stride else (0, rest)
-        starts.append(start)
-    for d, (start, size) in enumerate(zip(starts, src.shape)):
-        if (size > 1 and src.stride(d) != contiguous[d]) or start + size > shape[d]:
+@dataclass(frozen=True)
+class _Incoming:
+    """Where a tensor given to the loader lies in its storage (in elements of its dtype)."""
+
+    name: str
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1
+
+    def slices(self, src: torch.Tensor) -> tuple[tuple[int, int], ...] | None:
+        """`src`, a view of the same storage, as (start, length) per dim of this tensor, or None if
+        it is not a plain slice of it (this tensor may be any strided view: a split of a fused weight)."""
+        if src.dim() != len(self.shape) or src.dtype != self.dtype:
             return None
-    return tuple(zip(starts, src.shape))
+        starts, rest = [0] * len(self.shape), src.storage_offset() - self.offset
+        for d in sorted(range(len(self.shape)), key=self.stride.__getitem__, reverse=True):
+            if self.shape[d] > 1 and self.stride[d] > 0:
+                starts[d], rest = divmod(rest, self.stride[d])
+        for d, (start, size) in enumerate(zip(starts, src.shape)):
+            if (size > 1 and src.stride(d) != self.stride[d]) or start < 0 or start + size > self.shape[d]:
+                return None
+        return tuple(zip(starts, src.shape)) if rest == 0 else None
 
 
 class Recorder(TorchDispatchMode):
@@ -154,16 +169,20 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.segment = segment
         self._plan = Plan(segment.path, segment.nbytes)
-        self._incoming: dict[int, str] = {}  # storage address -> name of the tensor arriving there
+        # storage address -> the tensors arriving in it (a bucket's, or views of the trainer's fused weights)
+        self._incoming: dict[int, list[_Incoming]] = defaultdict(list)
         self.problem: str | None = None
 
     def track(self, named: Iterable[Named]) -> Iterator[Named]:
         """Pass the incoming tensors through, noting where each lies."""
         for name, t in named:
-            if name in self._plan.shapes or t.storage_offset():
-                self.problem = self.problem or f"tensor {name!r} arrived twice or not at its buffer's start"
+            if name in self._plan.shapes:
+                self.problem = self.problem or f"tensor {name!r} arrived twice"
             self._plan.shapes[name] = (tuple(t.shape), t.dtype)
-            self._incoming[t.untyped_storage().data_ptr()] = name
+            arrived = _Incoming(name, t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+            others = self._incoming[t.untyped_storage().data_ptr()]  # those it overlaps are gone (a reused buffer)
+            others[:] = [o for o in others if o.end <= arrived.offset or arrived.end <= o.offset or o.dtype != t.dtype]
+            others.append(arrived)
             yield name, t
 
     def plan(self) -> Plan | None:
@@ -183,9 +202,10 @@ class Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        name = self._incoming.get(src.untyped_storage().data_ptr()) if isinstance(src, torch.Tensor) else None
-        shape, dtype = self._plan.shapes.get(name, ((), None))
-        index = _as_slices(src, shape) if name is not None and src.dtype == dtype else None
+        found = [] if not isinstance(src, torch.Tensor) else [
+            (t.name, index) for t in self._incoming.get(src.untyped_storage().data_ptr(), ())
+            if (index := t.slices(src)) is not None]
+        name, index = found[0] if found else (None, None)
         if index is None:
             self.problem = self.problem or "the loader copies into a parameter something other than a slice of a tensor it was given"
             return

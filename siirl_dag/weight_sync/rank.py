@@ -49,6 +49,7 @@ class RankSync:
         self.pipes: dict[str, Any] = {}  # name -> ChannelPipe | SyncGroup, kept from sync to sync
         self.segments: dict[str, Segment] = {}  # rollout engine key -> its parameters' shared memory
         self.targets: dict[str, Targets] = {}  # pipe name -> the rollout parameters the keeper writes
+        self.replays: dict[str, Targets | None] = {}  # colocated rollout engine -> its recorded load (None: none)
 
     # -- set-up, once per trainer -> rollout pair ------------------------------------------------
     def join(self, name: str, address: str, port: int, rank: int, world_size: int, device: str) -> None:
@@ -127,8 +128,55 @@ class RankSync:
         stats: dict = {}
         return Buckets(exported(self.engines[engine_key], stats), bucket_bytes, stats)
 
+    # -- colocated: both engines in this process --------------------------------------------------
+    def handoff(self, src_key: str, dst_key: str, version: int, cores: int | None = None) -> dict:
+        """Colocated meshes (`handoff`). Where the rollout's parameters can be shared (CPU), its
+        first load is recorded and later ones replay it (`direct`): one copy per tensor, straight
+        into the packed row blocks, no loader and nothing to re-pack."""
+        src, dst = self.engines[src_key], self.engines[dst_key]
+        targets = self.replays.get(dst_key)
+        if targets is not None:
+            return self._replay(src, dst_key, targets, version, cores)
+        recorder = None
+        if dst_key not in self.replays:  # the first sync, or the first since a replay failed
+            if self.share(dst_key, quiet=True) is None:
+                self.replays[dst_key] = None  # e.g. parameters on a GPU: the loader, always
+            else:
+                recorder = Recorder(self.segments[dst_key])
+        try:
+            stats = handoff(src, dst, version, cores, recorder)
+        except Exception:
+            if recorder:
+                self.segments.pop(dst_key).unlink()
+            raise
+        if recorder:
+            plan = self._plan(dst_key, recorder)["plan"]
+            self.replays[dst_key] = Targets([plan]) if plan else None
+            if plan is None:
+                log.warning("colocated weight sync into %s keeps the engine's loader: %s", dst_key, recorder.problem)
+        return stats
+
+    def _replay(self, src: Any, dst_key: str, targets: Targets, version: int, cores: int | None) -> dict:
+        t0, stats = time.perf_counter(), {}
+        export = exported(src, stats, first_rank_only=False)
+        self.engines[dst_key].expect_weights()
+        try:
+            with borrowed(cores):
+                stats["sync/bytes"] = targets.write(export)
+        except Exception:
+            self.replays.pop(dst_key)  # the next sync loads (and records) anew; the engine refuses until then
+            raise
+        finally:
+            with suppress(Exception):
+                for _ in export:
+                    pass
+        stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"] - stats["sync/convert_s"]
+        stats.update(self.written(dst_key, version, cores))
+        stats["sync/handoff_s"] = time.perf_counter() - t0
+        return stats
+
     # -- rollout ranks --------------------------------------------------------------------------
-    def share(self, engine_key: str) -> str | None:
+    def share(self, engine_key: str, quiet: bool = False) -> str | None:
         """Move the engine's parameters into a new shared-memory file, for a keeper to write into;
         None if the engine cannot (no such method, or parameters on a GPU)."""
         engine = self.engines[engine_key]
@@ -137,7 +185,8 @@ class RankSync:
         try:
             segment = Segment(engine.weight_parameters(), getattr(engine, "blocked_weights", list)())
         except ValueError as exc:
-            log.warning("weight sync into %s stays on the channel: %s", engine_key, exc)
+            if not quiet:
+                log.warning("weight sync into %s stays on the channel: %s", engine_key, exc)
             return None
         if engine_key in self.segments:  # an older pipe's file, if its keeper never mapped it
             self.segments[engine_key].unlink()
@@ -216,9 +265,11 @@ class RankSync:
         return {"sync/load_s": time.perf_counter() - t0}
 
 
-def handoff(src_engine: Any, dst_engine: Any, version: int, cores: int | None = None) -> dict:
+def handoff(src_engine: Any, dst_engine: Any, version: int, cores: int | None = None,
+            recorder: Recorder | None = None) -> dict:
     """Colocated meshes: the rollout engine loads straight from the trainer's export, in process
-    (finishing with `cores` threads, as in `RankSync.receive`)."""
+    (finishing with `cores` threads, as in `RankSync.receive`), its loader's copies recorded by
+    `recorder` if given."""
     t0, stats = time.perf_counter(), {"sync/bytes": 0}
 
     def counted(named):
@@ -229,7 +280,8 @@ def handoff(src_engine: Any, dst_engine: Any, version: int, cores: int | None = 
     export = exported(src_engine, stats, first_rank_only=False)
     try:
         with torch.no_grad():  # the engine's loader runs in this thread's grad mode otherwise
-            dst_engine.load_weights(counted(export), version, cores=cores)
+            tensors = counted(export)
+            dst_engine.load_weights(recorder.track(tensors) if recorder else tensors, version, watch=recorder, cores=cores)
     finally:  # a load that failed here must not leave the other trainer ranks in the export's collectives
         with suppress(Exception):
             for _ in export:

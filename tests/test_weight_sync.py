@@ -357,6 +357,50 @@ def stream_sync(trainer_engine, rollout_engine):
     return WeightSync(sync_runtime(LocalBackend(None), trainer, rollout))("update", "rollout", 7)
 
 
+def _group_member(rank: int, port: int, results) -> None:
+    """Rank 0 writes once a reader (rank 2) is dead, then closes; rank 1 reads; rank 2 dies."""
+    import signal
+    import time
+
+    from siirl_dag.weight_sync.collective import SyncGroup
+
+    group, t0 = SyncGroup("127.0.0.1", port, rank, 3, "cpu"), time.monotonic()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        if rank == 0:
+            time.sleep(1)
+            group.write([("w", torch.ones(1000))])
+        else:
+            group.read()
+        results.put((rank, "no error", time.monotonic() - t0))
+    except RuntimeError as error:
+        results.put((rank, str(error)[:200], time.monotonic() - t0))
+    finally:
+        if rank == 0:
+            group.close()
+            time.sleep(90)  # still holding the group, as a failed sync's traceback may
+
+
+def test_readers_of_a_collective_whose_reader_died_fail_at_once_not_after_the_timeout():
+    import multiprocessing as mp
+
+    from dist_utils import _free_port
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    members = [ctx.Process(target=_group_member, args=(rank, port, results)) for rank in range(3)]
+    for member in members:
+        member.start()
+    try:
+        got = dict((rank, (error, seconds)) for rank, error, seconds in (results.get(timeout=120) for _ in range(2)))
+    finally:
+        for member in members:
+            member.kill()
+    assert "Connection closed" in got[0][0], "the writer finds the dead reader"
+    assert "Connection closed" in got[1][0] and got[1][1] < 30, "the other reader is let go when the writer closes"
+
+
 def _install(worker, key, engine):
     worker.engines[key] = engine
 

@@ -75,8 +75,11 @@ class SyncGroup:
         return payload
 
     def close(self) -> None:
-        """Tear the group down, waking a receive blocked on it (the sync it served failed)."""
+        """Tear the group down, waking a receive blocked on it (the sync it served failed). gloo's
+        abort leaves the connections open, so a reader whose writer failed (another reader died)
+        would wait out the timeout: the group goes too, which closes them, and the readers fail at once."""
         self.pg.abort()
+        self.pg = None
         if self._receiver is not None:
             self._receiver.shutdown(wait=False, cancel_futures=True)
 

@@ -375,7 +375,7 @@ class Runtime:
         try:
             calls = [self.backend.call(w, "shutdown") for workers in self.workers.values() for w in workers]
             deadline = time.perf_counter() + grace_s
-            busy = self._unfinished(calls, time.perf_counter() + 1.0)
+            busy = self._unfinished(calls, time.perf_counter() + 5.0)  # closing an engine takes 1-2 s at a normal end
             if busy:
                 self.progress(f"[runtime] stopping: {len(busy)} worker(s) still busy, given {grace_s:.0f} s to "
                               "close their engines before they are killed ...")

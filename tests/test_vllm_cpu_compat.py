@@ -58,11 +58,16 @@ def test_packed_fp32_weights_are_row_blocks_that_a_sync_writes_like_a_plain_weig
     embedding = VocabParallelEmbedding.__new__(VocabParallelEmbedding)  # its __init__ wants a TP group
     torch.nn.Module.__init__(embedding)
     embedding.weight = torch.nn.Parameter(torch.randn(256, 32), requires_grad=False)
+    head = torch.nn.Module()  # an LM head tied to the embedding: vLLM shares the weight, not the module
+    head.weight = embedding.weight
     with cpu_compat.linear_packing(True):
         utils.dispatch_cpu_unquantized_gemm(module, remove_weight=True)
         utils.dispatch_cpu_unquantized_gemm(embedding, remove_weight=True)
-    assert cpu_compat.blocked_weights(module) == [(module.weight, module.row_blocks)]
-    assert cpu_compat.blocked_weights(embedding) == [], "its lookup reads the plain weight: vLLM's packing"
+        utils.dispatch_cpu_unquantized_gemm(head, remove_weight=True)
+    assert head.row_blocks is embedding.row_blocks, "one weight, one packed copy: a write reaches both layers"
+    assert cpu_compat.blocked_weights(module) == [(module.weight, module.row_blocks, False)]
+    assert cpu_compat.blocked_weights(embedding) == [(embedding.weight, embedding.row_blocks, True)], \
+        "the LM head computes from row blocks too, and its lookup reads the plain weight"
     x = torch.randn(5, 32)
     compiled = torch.compile(lambda x: module.cpu_linear(x, module.weight, None) + 1)
     for update in range(3):

@@ -101,20 +101,23 @@ class RowBlockedModel(torch.nn.Module):
                 self.weight.data.narrow(0, 0 if name == "q" else 6, 6).copy_(t)
 
 
-def test_copies_into_a_packed_weight_are_replayed_into_its_row_blocks_whatever_rows_they_cover():
+@pytest.mark.parametrize("read", [False, True], ids=["linear", "embedding"])
+def test_copies_into_a_packed_weight_are_replayed_into_its_row_blocks_whatever_rows_they_cover(read):
+    """`read`: the plain weight is read too (an embedding's lookup), so it is written as well."""
     model = RowBlockedModel()
-    recorder = Recorder(Segment(model.parameters(), [(model.weight, model.blocks)]))
+    recorder = Recorder(Segment(model.parameters(), [(model.weight, model.blocks, read)]))
     first = {"q": torch.randn(6, 3), "k": torch.randn(6, 3)}
     with recorder:
         model.load(recorder.track(first.items()))
     plan = recorder.plan()
-    assert [len(plan.copies[n]) for n in ("q", "k")] == [2, 2], "a whole block and part of one, each"
+    pieces = 2 + read  # a whole block and part of one, each (and the plain copy)
+    assert [len(plan.copies[n]) for n in ("q", "k")] == [pieces, pieces]
     targets = Targets([plan])
     new = {"q": torch.randn(6, 3), "k": torch.randn(3, 6).t()}  # any strides
     targets.write(new.items())
     torch.testing.assert_close(model.blocks.data, blocked(torch.cat([new["q"], new["k"]]), 4), rtol=0, atol=0)
-    torch.testing.assert_close(model.weight.data, torch.cat([first["q"], first["k"]]), rtol=0, atol=0,
-                               msg="the plain weight is no longer written: the layer reads its blocks")
+    plain = new if read else first  # a linear layer's plain weight is no longer written: nothing reads it
+    torch.testing.assert_close(model.weight.data, torch.cat([plain["q"], plain["k"]]), rtol=0, atol=0)
 
 
 def test_row_blocks_are_written_the_same_compiled_or_not():

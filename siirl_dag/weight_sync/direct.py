@@ -14,7 +14,8 @@ How:
   the rollout then only finishes the load (re-packs packed layers) and stamps the version.
 - A parameter the rollout computes from through a packed copy in row blocks (`row_blocks`; its CPU
   linear layers) is shared with that copy: its recorded copies are replayed into the copy instead,
-  rearranged on the way, so nothing is left to re-pack (its plain weight is then no longer read).
+  rearranged on the way, so nothing is left to re-pack (its plain weight is then no longer read;
+  an embedding's still is, by its lookup, so its copies go to both).
 A loader that does anything else to a parameter (a cast, a transpose, arithmetic) makes no plan,
 and that pair keeps the channel.
 
@@ -73,11 +74,11 @@ class Plan:
 
 class Segment:
     """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`).
-    `blocked`: (weight, its row blocks) pairs among them, where copies into the weight go into its
-    row blocks instead."""
+    `blocked`: (weight, its row blocks, whether the weight is read too) among them: copies into the
+    weight go into its row blocks, and only if it is read into the weight as well."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
-                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter]] = ()):
+                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter, bool]] = ()):
         params = list({id(p): p for p in params}.values())
         if not params or any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
             raise ValueError("direct writes need contiguous CPU parameters")
@@ -101,22 +102,22 @@ class Segment:
                 moved.copy_(p.data)
                 p.data = moved
         self.pointer = self.memory.untyped_storage().data_ptr()
-        # (first byte, end, columns, rows per block, the blocks' first element) per blocked weight
+        # (first byte, end, columns, rows per block, the blocks' first element, read) per blocked weight
         self._blocked = [(w.storage_offset() * w.element_size(), (w.storage_offset() + w.numel()) * w.element_size(),
-                          w.shape[1], b.shape[2], b.storage_offset()) for w, b in blocked]
+                          w.shape[1], b.shape[2], b.storage_offset(), read) for w, b, read in blocked]
 
-    def into_row_blocks(self, dst: torch.Tensor) -> list[tuple[int, int, int, tuple, tuple]] | None:
+    def into_row_blocks(self, dst: torch.Tensor) -> tuple[list[tuple[int, int, int, tuple, tuple]], bool] | None:
         """If `dst` lies in a blocked weight: where a copy into it goes in the weight's row blocks,
-        per piece (`row_blocks.pieces`: first row of `dst`, rows, then offset, size and stride);
-        None for any other parameter."""
+        per piece (`row_blocks.pieces`: first row of `dst`, rows, then offset, size and stride), and
+        whether the weight itself is read (then written too); None for any other parameter."""
         start = dst.storage_offset() * dst.element_size()
-        for first, end, row_length, block, blocks in self._blocked:
+        for first, end, row_length, block, blocks, read in self._blocked:
             if first <= start < end:
                 if dst.dim() != 2 or dst.stride() != (row_length, 1):
                     raise ValueError("the loader copies into a packed layer's weight other than whole rows of it")
                 row, col = divmod((start - first) // dst.element_size(), row_length)
                 return [(a, n, blocks + offset + col * block, size, stride)
-                        for a, n, size, stride, offset in row_blocks.pieces(row, dst.shape[0], dst.shape[1], row_length, block)]
+                        for a, n, size, stride, offset in row_blocks.pieces(row, dst.shape[0], dst.shape[1], row_length, block)], read
         return None
 
     def unlink(self) -> None:
@@ -214,9 +215,10 @@ class Recorder(TorchDispatchMode):
         except ValueError as exc:
             self.problem = self.problem or str(exc)
             return
-        if blocked is None:
+        pieces, read = blocked or ((), True)
+        if read:
             self._plan.copies[name].append(Copy(index, dst.dtype, dst.storage_offset(), tuple(dst.shape), dst.stride()))
-        for row, rows, offset, size, stride in blocked or ():
+        for row, rows, offset, size, stride in pieces:
             (start, _), *rest = index  # the rows of this piece, of the slice copied
             self._plan.copies[name].append(Copy(((start + row, rows), *rest), dst.dtype, offset, size, stride, True))
 

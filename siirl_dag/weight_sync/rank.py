@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import suppress
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from siirl_dag.weight_sync.buckets import Aborted, Buckets, exported, nbytes, timed
+from siirl_dag.weight_sync.buckets import Aborted, Buckets, Named, exported, nbytes, timed
 from siirl_dag.weight_sync.channel import ChannelPipe
 from siirl_dag.weight_sync.collective import SyncGroup
 from siirl_dag.weight_sync.cores import borrowed
@@ -109,17 +109,7 @@ class RankSync:
         """The keeper: the export straight into the rollout ranks' parameters, with `cores` threads
         if given. `sync/write_s` is the time spent copying."""
         stats: dict = {}
-        export = exported(self.engines[engine_key], stats)
-        t0 = time.perf_counter()
-        try:
-            with borrowed(cores):
-                stats["sync/bytes"] = self.targets[pipe].write(export)
-        finally:  # the other trainer ranks finish their collective walk
-            with suppress(Exception):
-                for _ in export:
-                    pass
-        stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"] - stats["sync/convert_s"]
-        return stats
+        return _replayed(self.targets[pipe], exported(self.engines[engine_key], stats), stats, cores)
 
     def inline(self, engine_key: str, bucket_bytes: int) -> InlinePipe:
         return InlinePipe(self._buckets(engine_key, bucket_bytes))
@@ -158,19 +148,12 @@ class RankSync:
 
     def _replay(self, src: Any, dst_key: str, targets: Targets, version: int, cores: int | None) -> dict:
         t0, stats = time.perf_counter(), {}
-        export = exported(src, stats, first_rank_only=False)
         self.engines[dst_key].expect_weights()
         try:
-            with borrowed(cores):
-                stats["sync/bytes"] = targets.write(export)
+            _replayed(targets, exported(src, stats, first_rank_only=False), stats, cores)
         except Exception:
             self.replays.pop(dst_key)  # the next sync loads (and records) anew; the engine refuses until then
             raise
-        finally:
-            with suppress(Exception):
-                for _ in export:
-                    pass
-        stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"] - stats["sync/convert_s"]
         stats.update(self.written(dst_key, version, cores))
         stats["sync/handoff_s"] = time.perf_counter() - t0
         return stats
@@ -263,6 +246,22 @@ class RankSync:
         t0 = time.perf_counter()
         self.engines[engine_key].weights_written(version, cores)
         return {"sync/load_s": time.perf_counter() - t0}
+
+
+def _replayed(targets: Targets, export: Iterator[Named], stats: dict, cores: int | None) -> dict:
+    """A recorded load replayed on the trainer's export, with `cores` threads; the export is walked to
+    its end whatever happens (the other trainer ranks take part in its collectives). Adds the bytes
+    and `sync/write_s`, the time spent copying, to `stats` (which the export fills too)."""
+    t0 = time.perf_counter()
+    try:
+        with borrowed(cores):
+            stats["sync/bytes"] = targets.write(export)
+    finally:
+        with suppress(Exception):
+            for _ in export:
+                pass
+    stats["sync/write_s"] = time.perf_counter() - t0 - stats["sync/gather_s"] - stats["sync/convert_s"]
+    return stats
 
 
 def handoff(src_engine: Any, dst_engine: Any, version: int, cores: int | None = None,

@@ -56,6 +56,7 @@ import torch
 
 from siirl_dag.weight_sync import row_blocks
 from siirl_dag.weight_sync.cores import borrowed as cores_borrowed
+from siirl_dag.weight_sync.shm import SHM_DIR
 
 GIB = 1 << 30
 _BATCH_HINT = 32  # rows per matmul oneDNN packs for (vLLM's choice too)
@@ -297,9 +298,6 @@ def keep_torch_threads() -> Iterator[None]:
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
-
-
-SHM_DIR = "/dev/shm"
 
 
 def _shm_files() -> set[str]:

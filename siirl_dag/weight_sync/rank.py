@@ -9,8 +9,8 @@ The pipe is made once per trainer -> rollout pair: a Ray shared-memory channel (
 the keeper, `attach` on the rollout ranks) or a process group (`join`); with
 runtime.backend=local the rollout reads the keeper's export directly (`inline`).
 Over a channel, the rollout ranks may `share` their parameters and record their first load
-(`receive(..., record=True)`); the keeper then `target`s them and later syncs are `expect`, the
-keeper's `write` straight into the rollout's parameters, and `written` (see `direct`).
+(`receive(..., record=True)`); the keeper then `target`s them, and in later syncs the keeper
+`write`s straight into the rollout's parameters while the rollout ranks `take` it (see `direct`).
 A pipe's capacity (two channel buffers, or a broadcast's rendezvous) paces the trainer to the
 rollout, so at most a few buckets exist at a time, whatever the model size.
 """
@@ -107,9 +107,17 @@ class RankSync:
 
     def write(self, engine_key: str, pipe: str, cores: int | None = None) -> dict:
         """The keeper: the export straight into the rollout ranks' parameters, with `cores` threads
-        if given. `sync/write_s` is the time spent copying."""
+        if given, then the end marker into the pipe (an abort marker if it failed), for the rollout
+        ranks waiting in `take`. `sync/write_s` is the time spent copying."""
         stats: dict = {}
-        return _replayed(self.targets[pipe], exported(self.engines[engine_key], stats), stats, cores)
+        try:
+            _replayed(self.targets[pipe], exported(self.engines[engine_key], stats), stats, cores)
+        except Exception as error:
+            with suppress(Exception):
+                self.pipes[pipe].write(Aborted(repr(error)))
+            raise
+        self.pipes[pipe].write(None)
+        return stats
 
     def inline(self, engine_key: str, bucket_bytes: int) -> InlinePipe:
         return InlinePipe(self._buckets(engine_key, bucket_bytes))
@@ -241,8 +249,18 @@ class RankSync:
         self.engines[engine_key].expect_weights()
         return True
 
-    def written(self, engine_key: str, version: int, cores: int | None = None, write: Any = None) -> dict:
-        """After the keeper's `write` (its result, unused: the call waits for it): finish and stamp."""
+    def take(self, engine_key: str, path: str, version: int, pipe: str, cores: int | None = None) -> dict:
+        """A rollout rank while the keeper `write`s into its parameters: wait for the keeper's end
+        marker in the pipe, then finish and stamp (`written`). {"moved": True} if the parameters
+        are no longer in `path` (`expect`): the keeper wrote where nothing reads, the driver records anew."""
+        expected = self.expect(engine_key, path)
+        end = self.pipes[pipe].read()
+        if isinstance(end, Aborted):
+            raise end.error()
+        return self.written(engine_key, version, cores) if expected else {"moved": True}
+
+    def written(self, engine_key: str, version: int, cores: int | None = None) -> dict:
+        """After a direct write into the engine's parameters: finish and stamp."""
         t0 = time.perf_counter()
         self.engines[engine_key].weights_written(version, cores)
         return {"sync/load_s": time.perf_counter() - t0}

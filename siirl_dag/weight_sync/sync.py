@@ -71,9 +71,8 @@ class WeightSync:
         record = False
         if transport == "object_store" and not local and self.direct:
             paths = self._direct.get(pair, [])
-            if paths and all(backend.get([backend.call(w, "weight_sync", "expect", r.engine_key, path)
-                                          for (w, r), path in zip(dst, paths)])):
-                return self._write(pair, version, pipe, bucket_bytes)
+            if paths and (written := self._write(pair, version, pipe, bucket_bytes, paths)) is not None:
+                return written
             if paths is not None:  # never recorded, or a rollout rank moved its parameters since: record
                 record = None not in backend.get([backend.call(w, "weight_sync", "share", r.engine_key) for w, r in dst])
                 if not record:  # the engine has no CPU parameters to share
@@ -115,25 +114,28 @@ class WeightSync:
         log.warning("weight sync %s -> %s stays on the shared-memory channel (two copies per tensor): %s",
                     *pair, "; ".join(sorted(problems)))
 
-    def _write(self, pair: tuple[str, str], version: int, pipe: str, bucket_bytes: int) -> dict:
-        """The keeper writes its export into the rollout ranks' parameters (which `expect`ed it),
-        the other trainer ranks walk the export, then every rollout rank finishes and stamps."""
+    def _write(self, pair: tuple[str, str], version: int, pipe: str, bucket_bytes: int, paths: list[str]) -> dict | None:
+        """All at once: the keeper writes its export into the rollout ranks' parameters (`paths`,
+        their shared files) and says so over the pipe, the other trainer ranks walk the export, and
+        every rollout rank waits for that word, then finishes and stamps (`take`). None if a rollout
+        rank's parameters moved since they were recorded: the caller records anew."""
         backend, (src_node, dst_node) = self.rt.backend, pair
         (keeper, role), walkers = self.rt.roles[src_node][0], self.rt.roles[src_node][1:]
         calls = [backend.call(w, "weight_sync", "export", r.engine_key, bucket_bytes) for w, r in walkers]
         machine = self._machine_cores()  # the keeper writes while every other rank waits for it
         calls.append(backend.call(keeper, "weight_sync", "write", role.engine_key, pipe, machine and max(1, int(machine))))
-        # each rollout rank finishes once the write is done (Ray hands it the write's result, no
-        # round trip through here); if the write fails, so do these, unrun
-        loads = [backend.call(w, "weight_sync", "written", r.engine_key, version, cores, calls[-1])
-                 for (w, r), cores in zip(self.rt.roles[dst_node], self._cores(dst_node))]
+        loads = [backend.call(w, "weight_sync", "take", r.engine_key, path, version, pipe, cores)
+                 for (w, r), path, cores in zip(self.rt.roles[dst_node], paths, self._cores(dst_node))]
         try:
             results = self._all(calls + loads)
         except Exception:
             self._discard(pair)  # the rollout ranks keep refusing to generate until a sync succeeds
             raise
+        loads = results[len(calls):]
+        if any(load.get("moved") for load in loads):
+            return None
         stats = dict(results[len(calls) - 1])
-        stats["sync/load_s"] = max(load["sync/load_s"] for load in results[len(calls):])
+        stats["sync/load_s"] = max(load["sync/load_s"] for load in loads)
         return stats
 
     def _cores(self, dst_node: str) -> list[int | None]:

@@ -7,8 +7,8 @@ an engine that loaded the plain weight itself rearranges it here.
 
 The rearrangement is a transposition of every block, which torch's eager copy does element by
 element (about 4x a memcpy). Compiled for its columns and strides, with only the number of blocks
-left symbolic, inductor tiles it with vectorised 16x16 transposes: 184 MiB in 10 ms on two cores
-(memcpy: 10-11), 18 on one. Compiled for any shape it cannot tile: 17-23 ms on two cores.
+left symbolic, inductor tiles it with vectorised 16x16 transposes: 184 MiB in 10-16 ms on two cores
+(memcpy: 10-11), 17-19 on one. Compiled for any shape it cannot tile: 17-23 ms on two cores.
 """
 
 from __future__ import annotations

@@ -147,8 +147,10 @@ def test_optimizer_step_is_adamw(one_rank):
     original, expected = hf_state(path), _hf_adamw(path, ADAMW)
     exported = out["adamw_weights"]
     assert max((exported[k] - original[k]).abs().max().item() for k in original) > 5e-3
+    # float32 summation order differs from HF's (under 2e-6 on AMD hosts, 2.1e-6 on an Intel one); weight
+    # decay alone moves these weights by about 4e-5 over the two steps
     for name, tensor in expected.items():
-        torch.testing.assert_close(exported[name], tensor, atol=2e-6, rtol=0, msg=name)
+        torch.testing.assert_close(exported[name], tensor, atol=5e-6, rtol=0, msg=name)
     assert out["adamw_metrics"]["lr"] == ADAMW["lr"]
 
 

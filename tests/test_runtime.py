@@ -152,14 +152,15 @@ def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
 
 
 def test_rollouts_get_their_trainers_weights_at_start_and_a_failed_sync_names_the_pair(tmp_path):
-    """The echo engine cannot export weights: the start-up sync fails, as one PipelineError."""
+    """The echo engine can neither export nor load weights: the start-up sync fails, as one
+    PipelineError naming the pair and whichever end failed first."""
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1", b: "megatron:d1"}
         nodes:
           - {id: gen, kind: t_expand, mesh: a, model: m, weights_from: update}
           - {id: update, kind: t_update, deps: [gen], mesh: b, model: m}
         """)
-    with pytest.raises(PipelineError, match="(?s)weight sync 'update' -> 'gen' \\(version 0\\) failed: .*export_hf_weights"):
+    with pytest.raises(PipelineError, match="(?s)weight sync 'update' -> 'gen' \\(version 0\\) failed: .*(export_hf_weights|load_weights)"):
         with Runtime(pipe, progress=lambda *_: None):
             pass
 

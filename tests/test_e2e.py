@@ -4,6 +4,7 @@ and exact resume on the local runtime. Each run is a real `python -m siirl_dag.m
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -90,13 +91,23 @@ def test_grpo_through_ray(tmp_path, tiny_model_dir, demo_data, layout):
     assert (ckpt / "actor_update.hf" / "config.json").is_file(), "the final actor is exported for HF"
 
 
-def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data):
+QUICK = ("trainer.val_before_train=false", "trainer.export_hf=false")
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, tiny_model_dir, demo_data):
+    """A local run of two steps that saved a checkpoint at step 2 (copied by the tests that use it)."""
+    out = tmp_path_factory.mktemp("two_steps")
+    run(out, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=2", "trainer.save_freq=2", *QUICK)
+    return out
+
+
+def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, two_steps):
     straight = run(tmp_path / "a", tiny_model_dir, demo_data, SEPARATE, 2, "local",
-                   "trainer.total_steps=4", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
-    run(tmp_path / "b", tiny_model_dir, demo_data, SEPARATE, 2, "local",
-        "trainer.total_steps=2", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
+                   "trainer.total_steps=4", "trainer.save_freq=2", *QUICK)
+    shutil.copytree(two_steps, tmp_path / "b")
     res = launch(tmp_path / "b", tiny_model_dir, demo_data, SEPARATE, 2, "local",
-                 "trainer.total_steps=4", "trainer.save_freq=2", "trainer.val_before_train=false", "trainer.export_hf=false")
+                 "trainer.total_steps=4", "trainer.save_freq=2", *QUICK)
     resumed = parsed(res)
     assert set(resumed["steps"]) == {"3", "4"}
     # the checkpoint loads before the start-up sync: the rollout is synced once, straight to its weights
@@ -107,14 +118,13 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)
 
 
-def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo_data):
+def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo_data, two_steps):
     """Damage only the engines can see (a shard cut short): one line, exit 1, no traceback."""
-    quick = ("trainer.val_before_train=false", "trainer.export_hf=false")
-    run(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=1", *quick)
-    checkpoint = tmp_path / "ckpt" / "global_step_1"
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    checkpoint = tmp_path / "ckpt" / "global_step_2"
     shard = sorted((checkpoint / "actor_update").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
-    res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=2", *quick)
+    res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=3", *QUICK)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-4000:]
     (failed,) = [line for line in res.stderr.splitlines() if line.startswith("[run] failed: ")]
     assert failed.startswith(f"[run] failed: resuming from {checkpoint}: node 'actor_update' could not load "

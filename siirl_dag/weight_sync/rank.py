@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from typing import Any, Iterator
 
 import torch
@@ -88,14 +88,12 @@ class RankSync:
         pipe, buckets = self.pipes[pipe], self._buckets(engine_key, bucket_bytes)
         stats = {"sync/send_s": 0.0}
         try:
-            while (bucket := buckets.next()) is not None:
-                t0 = time.perf_counter()
-                pipe.write(bucket)
-                stats["sync/send_s"] += time.perf_counter() - t0
-            pipe.write(None)
-        except Exception as error:
-            with suppress(Exception):  # the readers stop waiting for buckets
-                pipe.write(Aborted(repr(error)))
+            with _ended(pipe):
+                while (bucket := buckets.next()) is not None:
+                    t0 = time.perf_counter()
+                    pipe.write(bucket)
+                    stats["sync/send_s"] += time.perf_counter() - t0
+        except Exception:
             with suppress(Exception):  # the other trainer ranks finish their collective walk
                 buckets.drain()
             raise
@@ -110,13 +108,8 @@ class RankSync:
         if given, then the end marker into the pipe (an abort marker if it failed), for the rollout
         ranks waiting in `take`. `sync/write_s` is the time spent copying."""
         stats: dict = {}
-        try:
+        with _ended(self.pipes[pipe]):
             _replayed(self.targets[pipe], exported(self.engines[engine_key], stats), stats, cores)
-        except Exception as error:
-            with suppress(Exception):
-                self.pipes[pipe].write(Aborted(repr(error)))
-            raise
-        self.pipes[pipe].write(None)
         return stats
 
     def inline(self, engine_key: str, bucket_bytes: int) -> InlinePipe:
@@ -264,6 +257,19 @@ class RankSync:
         t0 = time.perf_counter()
         self.engines[engine_key].weights_written(version, cores)
         return {"sync/load_s": time.perf_counter() - t0}
+
+
+@contextmanager
+def _ended(pipe: Any) -> Iterator[None]:
+    """The end marker into `pipe` after the body, or an abort marker if it failed (the readers
+    stop waiting for buckets either way)."""
+    try:
+        yield
+    except Exception as error:
+        with suppress(Exception):
+            pipe.write(Aborted(repr(error)))
+        raise
+    pipe.write(None)
 
 
 def _replayed(targets: Targets, export: Iterator[Named], stats: dict, cores: int | None) -> dict:

@@ -92,24 +92,25 @@ def test_grpo_through_ray(tmp_path, tiny_model_dir, demo_data, layout):
 
 
 QUICK = ("trainer.val_before_train=false", "trainer.export_hf=false")
+FOUR_STEPS = ("trainer.total_steps=4", "trainer.save_freq=2", *QUICK)
 
 
 @pytest.fixture(scope="module")
-def two_steps(tmp_path_factory, tiny_model_dir, demo_data):
-    """A local run of two steps that saved a checkpoint at step 2 (copied by the tests that use it)."""
-    out = tmp_path_factory.mktemp("two_steps")
-    run(out, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=2", "trainer.save_freq=2", *QUICK)
-    return out
+def four_steps(tmp_path_factory, tiny_model_dir, demo_data):
+    """A local run of four steps, saved at steps 2 and 4: its history, and its folder with only step 2's
+    checkpoint left (copied by the tests that resume from it)."""
+    out = tmp_path_factory.mktemp("four_steps")
+    history = run(out, tiny_model_dir, demo_data, SEPARATE, 2, "local", *FOUR_STEPS)
+    shutil.rmtree(out / "ckpt" / "global_step_4")
+    return out, history
 
 
-def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, two_steps):
-    straight = run(tmp_path / "a", tiny_model_dir, demo_data, SEPARATE, 2, "local",
-                   "trainer.total_steps=4", "trainer.save_freq=2", *QUICK)
-    shutil.copytree(two_steps, tmp_path / "b")
-    res = launch(tmp_path / "b", tiny_model_dir, demo_data, SEPARATE, 2, "local",
-                 "trainer.total_steps=4", "trainer.save_freq=2", *QUICK)
+def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, four_steps):
+    folder, straight = four_steps
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", *FOUR_STEPS)
     resumed = parsed(res)
-    assert set(resumed["steps"]) == {"3", "4"}
+    assert set(straight["steps"]) == {"1", "2", "3", "4"} and set(resumed["steps"]) == {"3", "4"}
     # the checkpoint loads before the start-up sync: the rollout is synced once, straight to its weights
     assert [line.split(" (")[0] for line in res.stderr.splitlines() if "weights synced" in line] == \
         ["[runtime] weights synced: rollout <- actor_update v2"]
@@ -118,9 +119,9 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, t
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)
 
 
-def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo_data, two_steps):
+def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo_data, four_steps):
     """Damage only the engines can see (a shard cut short): one line, exit 1, no traceback."""
-    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(four_steps[0], tmp_path, dirs_exist_ok=True)
     checkpoint = tmp_path / "ckpt" / "global_step_2"
     shard = sorted((checkpoint / "actor_update").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])

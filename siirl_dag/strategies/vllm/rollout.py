@@ -120,6 +120,7 @@ class VllmRollout(Strategy):
                                "(torch.distributed is not initialized in this process)")
         if cpu_compat.active():
             kwargs.update(cpu_compat.engine_kwargs(opts))
+            cpu_compat.compile_cache()
         start = time.perf_counter()
         first = self.ctx.rank // self.tp * self.tp
         shm_files = cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm)

@@ -46,6 +46,7 @@ def reward(batch, ctx):
 
     from nodes.algos import scorers
     from nodes.algos.metrics import batch_metrics
+    from nodes.algos.token_rewards import apply_kl_penalty, place_scores
 
     p = ctx.params
     scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
@@ -55,11 +56,11 @@ def reward(batch, ctx):
     kwargs = {"method": p["method"], "format_score": p["format_score"]} if p["scorer"] == "auto" else {}
     scores = [float(scorer(src, text, gt, info, **kwargs))
               for src, text, gt, info in zip(batch["data_source"], texts, batch["ground_truth"], extra)]
-    token_scores = scorers.place_scores(torch.tensor(scores, dtype=torch.float32), batch["response_mask"])
+    token_scores = place_scores(torch.tensor(scores, dtype=torch.float32), batch["response_mask"])
     rewards = token_scores
     if p["kl_coef"] > 0:
-        rewards, kl = scorers.apply_kl_penalty(token_scores, batch["old_logprobs"], batch["ref_logprobs"],
-                                               batch["response_mask"], p["kl_coef"], p["kl_estimator"])
+        rewards, kl = apply_kl_penalty(token_scores, batch["old_logprobs"], batch["ref_logprobs"],
+                                       batch["response_mask"], p["kl_coef"], p["kl_estimator"])
         ctx.metrics["critic/kl"] = kl
     out = {"token_level_scores": token_scores, "token_level_rewards": rewards}
     ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"], "prompt_mask": batch["prompt_mask"]}))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nodes.algos.scorers import (apply_kl_penalty, extract_gsm8k_answer, gsm8k_score, math_score, place_scores,
-                                 resolve_scorer, score)
+from nodes.algos.scorers import extract_gsm8k_answer, gsm8k_score, math_score, resolve_scorer, score
+from nodes.algos.token_rewards import apply_kl_penalty, place_scores
 
 
 @pytest.mark.parametrize("text, truth, expected", [

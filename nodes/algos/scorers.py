@@ -1,8 +1,8 @@
-"""Rule-based rewards: a score per sample from its text, then placed on the token grid.
+"""Rule-based scores: one per sample, from its text.
 
 `score()` picks the grader by the sample's `data_source`; a user grader is a `module:function`
-reference resolved once with importlib. The KL-in-reward penalty (PPO-RLHF style) lives here
-because it turns scores into rewards.
+reference resolved once with importlib. Plain Python (no torch), so checking a pipeline's data
+against the graders stays quick; `token_rewards` puts the scores on the token grid.
 """
 
 from __future__ import annotations
@@ -11,11 +11,6 @@ import importlib
 import math
 import re
 from typing import Callable, Optional
-
-import torch
-
-from nodes.algos.losses import kl_penalty
-from nodes.algos.masked import masked_mean
 
 _NUMBER = r"-?[\d,]*\.?\d+"
 _STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
@@ -138,26 +133,3 @@ def resolve_scorer(ref: str) -> Callable[..., float]:
     if not callable(fn):
         raise ValueError(f"scorer {ref!r}: {attr!r} is a {type(fn).__name__}, not a callable")
     return fn
-
-
-def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] scores -> [B, R] token_level_scores with each score on the last response token
-    (the last 1 of the mask). A zero-length response has no token to hold it and gets all zeros."""
-    mask = response_mask.bool()
-    length = mask.shape[1]
-    positions = torch.arange(length, device=mask.device).expand_as(mask)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    has_token = last >= 0
-    rows = torch.nonzero(has_token).squeeze(1)
-    out[rows, last[has_token]] = torch.as_tensor(scores, dtype=torch.float32, device=out.device)[has_token]
-    return out
-
-
-def apply_kl_penalty(token_level_scores, old_logprobs, ref_logprobs, response_mask, kl_coef: float, estimator: str = "kl"):
-    """rewards = scores - kl_coef * KL per token (masked). Returns (token_level_rewards, kl_mean),
-    kl_mean being the batch mean of per-sequence mean KL, the quantity an adaptive controller tracks."""
-    kld = kl_penalty(old_logprobs, ref_logprobs, estimator) * response_mask
-    rewards = token_level_scores - kl_coef * kld
-    kl_mean = masked_mean(kld, response_mask, dim=-1).mean()
-    return rewards, kl_mean.item()

@@ -8,9 +8,6 @@ import sys
 from siirl_dag.config import load_pipeline
 from siirl_dag.config.overrides import OVERRIDE_FILE
 from siirl_dag.errors import ConfigError, Problem
-from siirl_dag.runtime import PipelineError
-from siirl_dag.runtime.backends import unreachable
-from siirl_dag.trainer.loop import Trainer
 
 EXPECTED_ADDRESS = "expected the address of a running Ray cluster (host:port, ray://host:port or auto), or none"
 
@@ -18,7 +15,11 @@ EXPECTED_ADDRESS = "expected the address of a running Ray cluster (host:port, ra
 def _check_address(pipe, address: str | None) -> None:
     """An unreachable cluster is bad input, refused before Ray spends minutes retrying it."""
     written = address or pipe.runtime.address
-    why = unreachable(written) if written and pipe.runtime.backend == "ray" else None
+    if not written or pipe.runtime.backend != "ray":
+        return
+    from siirl_dag.runtime.backends import unreachable
+
+    why = unreachable(written)
     if why and address:
         raise ConfigError(Problem(("--address",), f"{why}; {EXPECTED_ADDRESS}", file=OVERRIDE_FILE))
     if why:
@@ -28,6 +29,10 @@ def _check_address(pipe, address: str | None) -> None:
 def main(args) -> int:
     pipe = load_pipeline(args.pipeline, args.overrides, for_run=True)
     _check_address(pipe, args.address)
+    # torch and Ray load (seconds) only once the YAML passed its checks: a bad one is refused at once
+    from siirl_dag.runtime import PipelineError
+    from siirl_dag.trainer.loop import Trainer
+
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print  # --json: stdout holds only the JSON

@@ -276,6 +276,7 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
         data: {{train_files: {tmp_path}/train.parquet, train_batch_size: 2}}
         nodes: [{{id: slow, kind: "runtime_kinds:t_sleep", params: {{seconds: 120}}}}]
         trainer: {{total_steps: 1, logger: [console], default_local_dir: {tmp_path}/ckpt, export_hf: false}}
+        runtime: {{stop_grace_s: 6}}
         """))
     before = _rays()
     # SIGINT's default restored in the run: a suite started in the background of a non-interactive
@@ -293,7 +294,7 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     out = "".join(seen) + out
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; stopped cleanly." in err and "Traceback" not in err
-    assert "[runtime] stopping: 1 worker(s) still busy" in out, "the user is told what the wait is for"
+    assert "[runtime] stopping: 1 worker(s) still busy, given 6 s" in out, "the user is told what the wait is for"
     deadline = time.time() + 30
     while _rays() > before and time.time() < deadline:
         time.sleep(0.5)

@@ -149,6 +149,7 @@ class RuntimeSpec:
     staleness: int
     weight_sync_bucket_mb: float
     cpus_per_rank: float
+    stop_grace_s: float
 
 
 @dataclass

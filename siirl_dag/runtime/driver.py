@@ -369,13 +369,15 @@ class Runtime:
         return self.backend.get([self.backend.call(w, "call_engine", role.engine_key, method, *args, **kwargs)
                                  for w, role in self.roles[node_id]])
 
-    def shutdown(self, grace_s: float = 20.0) -> None:
-        """Close every engine (a worker still busy, after Ctrl-C say, gets `grace_s`, and the user is
-        told so), then kill all workers."""
+    def shutdown(self) -> None:
+        """Close every engine (a worker still busy, after Ctrl-C say, gets `runtime.stop_grace_s`, and
+        the user is told so), then kill all workers."""
+        grace_s = self.pipe.runtime.stop_grace_s
         try:
             calls = [self.backend.call(w, "shutdown") for workers in self.workers.values() for w in workers]
             deadline = time.perf_counter() + grace_s
-            busy = self._unfinished(calls, time.perf_counter() + 5.0)  # closing an engine takes 1-2 s at a normal end
+            # closing an engine takes 1-2 s at a normal end
+            busy = self._unfinished(calls, time.perf_counter() + min(grace_s, 5.0))
             if busy:
                 self.progress(f"[runtime] stopping: {len(busy)} worker(s) still busy, given {grace_s:.0f} s to "
                               "close their engines before they are killed ...")

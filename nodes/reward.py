@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+from nodes.algos import scorers
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
@@ -14,8 +15,6 @@ def _consumes(params):
 
 def _custom_scorer(node, pipeline) -> list[Problem]:
     """A custom scorer must import now, not at the first step's reward."""
-    from nodes.algos import scorers
-
     if node.params["scorer"] == "auto":
         return []
     try:
@@ -28,8 +27,6 @@ def _custom_scorer(node, pipeline) -> list[Problem]:
 
 def _gradable(node, pipeline, data) -> list[str]:
     """With the built-in scorers, every data_source of the prompts needs one."""
-    from nodes.algos import scorers
-
     if node.params["scorer"] != "auto":
         return []
     unknown = Counter(r["data_source"] for r in data.rows if r["data_source"] not in scorers.SCORERS)
@@ -44,7 +41,6 @@ def reward(batch, ctx):
     """Score decoded responses; an optional KL-in-reward penalty turns scores into rewards."""
     import torch
 
-    from nodes.algos import scorers
     from nodes.algos.metrics import batch_metrics
     from nodes.algos.token_rewards import apply_kl_penalty, place_scores
 

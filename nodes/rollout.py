@@ -1,13 +1,10 @@
 """rollout: sample n responses per prompt with the vLLM strategy (greedy, one each, in validation)."""
 
-import weakref
-
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
             "position_ids", "rollout_logprobs", "response_length", "finish_reason")
-_COUNTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dataset -> {(node id, row index): tokens}
 
 
 def _lengths_fit(node, pipeline) -> list[Problem]:
@@ -26,17 +23,23 @@ def _lengths_fit(node, pipeline) -> list[Problem]:
 
 
 def _prompt_lengths(node, pipeline, data) -> list[int]:
-    """Each prompt's tokens as the engine will count them (a chat list through the template). Counted
-    once per row and node: data.filter_overlong_prompts asks, then `_prompts_fit` asks again."""
+    """Each prompt's tokens as the engine will count them (a chat list through the template). Kept
+    for later runs on the same files and tokenizer (`row_cache`), which then skip loading it."""
+    from importlib.metadata import version
+
+    from siirl_dag.data.row_cache import folder_identity, measured
     from siirl_dag.strategies.vllm.layout import prompt_token_ids
 
-    counted = _COUNTED.setdefault(data, {})
-    missing = [row for row in data.rows if (node.id, row["index"]) not in counted]
-    if missing:
-        tokenizer, chat = pipeline.models[node.model].load_tokenizer(), node.options["chat_template"]
-        for row in missing:
-            counted[node.id, row["index"]] = len(prompt_token_ids(tokenizer, row["raw_prompt"], chat))
-    return [counted[node.id, row["index"]] for row in data.rows]
+    model, chat = pipeline.models[node.model], node.options["chat_template"]
+    tokenizer_files = folder_identity(model.tokenizer_path)
+    what = None if tokenizer_files is None else \
+        {"count": "prompt tokens", "tokenizer": tokenizer_files, "chat_template": chat, "transformers": version("transformers")}
+
+    def count(rows):
+        tokenizer = model.load_tokenizer()
+        return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat)) for row in rows]
+
+    return measured(data, what, count, f"prompt tokens for node '{node.id}'")
 
 
 def _prompts_fit(node, pipeline, data) -> list[str]:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 OTHERS = {  # script -> arguments; each prints JSON with --json
     "validate": ["bench_validate.py", "--repeat", "2"],
+    "preflight": ["bench_preflight.py", "--repeat", "2"],
     "plan": ["bench_plan.py"],
     "runtime_overhead": ["bench_runtime.py"],
     "vllm_vs_hf": ["bench_vllm.py"],

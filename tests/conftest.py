@@ -16,6 +16,12 @@ import pytest  # noqa: E402
 VLLM_TEST_OPTIONS = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 256, "enforce_eager": True}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def row_cache_dir(tmp_path_factory):
+    """Prompt token counts kept for the session (and the runs it starts), not in the user's cache."""
+    os.environ["SIIRL_DAG_CACHE"] = str(tmp_path_factory.mktemp("row_cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from make_tiny_model import make_tiny_model

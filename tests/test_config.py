@@ -413,6 +413,22 @@ def test_prompts_longer_than_max_prompt_length_are_refused_before_start(tmp_path
     assert f"'{tmp_path / 'tok'}' holds no tokenizer (no vocabulary)" in p.message
 
 
+def test_a_later_run_counts_prompt_tokens_without_the_tokenizer(tmp_path, tiny_model_dir, monkeypatch):
+    """The counts are kept on disk (data/row_cache.py): a later process on the same files and tokenizer
+    refuses the same prompt, in the same words, without loading transformers (seconds to import)."""
+    from siirl_dag.trainer.loop import Trainer
+
+    monkeypatch.setenv("SIIRL_DAG_CACHE", str(tmp_path / "cache"))
+    f = str(write(tmp_path, _long_and_chat_prompts(tmp_path, tiny_model_dir)))
+    with pytest.raises(ConfigError) as info:
+        Trainer(load_pipeline(f, ["data.max_prompt_length=32"], for_run=True))
+    code = "import sys; from siirl_dag.main import main; rc = main(sys.argv[1:]); print(rc, 'transformers' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code, f, "data.max_prompt_length=32"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.stdout.splitlines()[-1] == "2 False", res.stderr
+    assert info.value.problems[0].message in res.stderr and "row 6 has 40 tokens" in res.stderr
+
+
 def test_samples_per_prompt_above_vllms_limit_are_refused_at_validation(tmp_path, monkeypatch):
     (p,) = problems(tmp_path, BASE, ["nodes.rollout.options.n=16386"])
     assert p.path == ("nodes", 0, "options", "n") and p.file == "<command line>"

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from siirl_dag.data import PromptDataset, PromptLoader
+from siirl_dag.data import PromptDataset, PromptLoader, row_cache
 from siirl_dag.errors import ConfigError
 
 
@@ -113,6 +113,51 @@ def test_damaged_pages_behind_a_sound_footer(tmp_path):
 
 def ids(batches):
     return [[r["index"] for r in b] for b in batches]
+
+
+def test_measured_rows_are_kept_for_later_runs(tmp_path, monkeypatch):
+    """row_cache: a row measured once under the same files and `what` is not measured again, in this
+    process or a later one; a changed file, or another `what`, is measured afresh."""
+    monkeypatch.setenv("SIIRL_DAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(row_cache, "_MEMORY", {})
+    asked = []
+
+    def measure(rows):
+        asked.append([row["index"] for row in rows])
+        return [len(row["raw_prompt"]) for row in rows]
+
+    data = PromptDataset([verl_file(tmp_path, n=12)], "prompt")
+    data.drop({0, 5})
+    want = [len(row["raw_prompt"]) for row in data.rows]
+    assert row_cache.measured(data, {"v": 1}, measure, "lengths") == want and asked == [[i for i in range(12) if i not in (0, 5)]]
+    assert row_cache.measured(data, {"v": 1}, measure, "lengths") == want and len(asked) == 1
+    monkeypatch.setattr(row_cache, "_MEMORY", {})  # a new process: from the disk
+    assert row_cache.measured(data, {"v": 1}, measure, "lengths") == want and len(asked) == 1
+    whole = PromptDataset([verl_file(tmp_path, n=13)], "prompt")  # the file written again: a new key
+    assert row_cache.measured(whole, {"v": 1}, measure, "lengths")[:2] == [len("Q: 0+1=? A:")] * 2 and len(asked[1]) == 13
+    assert row_cache.measured(whole, {"v": 2}, measure, "lengths") and len(asked) == 3
+    assert row_cache.measured(whole, None, measure, "lengths") and len(asked) == 4  # None: this process only
+    assert len(list((tmp_path / "cache").glob("*.npy"))) == 3
+
+
+def test_a_damaged_or_unwritable_row_cache_only_costs_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIIRL_DAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(row_cache, "_MEMORY", {})
+    data, asked = PromptDataset([verl_file(tmp_path, n=4)], "prompt"), []
+
+    def measure(rows):
+        asked.append(len(rows))
+        return [7] * len(rows)
+
+    assert row_cache.measured(data, {}, measure, "sevens") == [7] * 4
+    (entry,) = (tmp_path / "cache").glob("*.npy")
+    entry.write_bytes(entry.read_bytes()[:20])
+    monkeypatch.setattr(row_cache, "_MEMORY", {})
+    assert row_cache.measured(data, {}, measure, "sevens") == [7] * 4 and asked == [4, 4]
+    monkeypatch.setattr(row_cache, "_MEMORY", {})
+    (tmp_path / "blocked").write_text("a file where the folder would be")
+    monkeypatch.setenv("SIIRL_DAG_CACHE", str(tmp_path / "blocked"))
+    assert row_cache.measured(data, {}, measure, "sevens") == [7] * 4 and asked == [4, 4, 4]
 
 
 def test_shuffle_is_seeded_per_epoch_and_ignores_global_rng(tmp_path):

@@ -139,6 +139,12 @@ class PromptDataset:
         """Leave out the rows of these indices (their ids stay those of the files' rows)."""
         self.rows = [row for row in self.rows if row["index"] not in indices]
 
+    def identity(self) -> dict:
+        """What the rows came from, as a cache key: each file's path, size and modification time,
+        and the prompt column."""
+        files = [[os.path.abspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in self._files]
+        return {"files": files, "prompt_key": self.prompt_key}
+
     def source(self, index: int) -> tuple[str, int]:
         """The file a row came from and its row number there (for messages about it)."""
         k = bisect.bisect_right(self._starts, index) - 1

@@ -1,0 +1,97 @@
+"""Numbers measured once per row of a prompt dataset (a prompt's token count), kept on disk for the
+next run. Counting tokens needs the model's tokenizer, whose import alone takes seconds, and a large
+data set takes minutes more; a restart on the same files and tokenizer needs neither.
+
+An entry is keyed by everything its numbers depend on: the data files (path, size, modification
+time), the prompt column, and what the caller puts in `what` (its tokenizer's files, a template
+flag, library versions). A changed file makes a new key; an entry that does not read back is
+measured again. The folder: $SIIRL_DAG_CACHE, else $XDG_CACHE_HOME/siirl_dag, else ~/.cache/siirl_dag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from siirl_dag.data.dataset import PromptDataset
+
+UNMEASURED = -1
+SAY_FROM = 20_000  # rows to measure before it says so (about a second of token counting)
+_MEMORY: dict[str, np.ndarray] = {}  # key -> value per row index, for this process
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SIIRL_DAG_CACHE"):
+        return Path(os.environ["SIIRL_DAG_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "siirl_dag"
+
+
+def folder_identity(path: str) -> list | None:
+    """(name, size, modification time) of each file at the top of a local folder; None when `path`
+    is not one (a hub id: nothing on disk says when it changed)."""
+    if not os.path.isdir(path):
+        return None
+    return sorted([e.name, (st := e.stat()).st_size, st.st_mtime_ns] for e in os.scandir(path) if e.is_file())
+
+
+def measured(data: PromptDataset, what: dict | None, measure: Callable[[list[dict]], list[int]], label: str) -> list[int]:
+    """`measure(rows)` for every row of `data`, in row order; only rows not measured before under
+    the same files and `what` are passed to it. `what` None: remembered in this process only.
+    `label` names the numbers in the line said before a long measurement."""
+    key = hashlib.sha256(json.dumps([data.identity(), what], sort_keys=True).encode()).hexdigest()
+    size = 1 + max((row["index"] for row in data.rows), default=-1)
+    known = _MEMORY.get(key)
+    if known is None and what is not None:
+        known = _read(cache_dir() / f"{key}.npy")
+    known = _grown(known, size)
+    missing = [row for row in data.rows if known[row["index"]] == UNMEASURED]
+    if missing:
+        if len(missing) >= SAY_FROM:
+            print(f"[data] measuring {label} over {len(missing):,} rows (once: kept in {cache_dir()}) ...", file=sys.stderr)
+        known[[row["index"] for row in missing]] = measure(missing)
+        if what is not None:
+            _write(cache_dir() / f"{key}.npy", known)
+    _MEMORY[key] = known
+    return known[[row["index"] for row in data.rows]].tolist()
+
+
+def _grown(known: np.ndarray | None, size: int) -> np.ndarray:
+    out = np.full(size, UNMEASURED, dtype=np.int64)
+    if known is not None:
+        n = min(size, len(known))
+        out[:n] = known[:n]
+    return out
+
+
+def _read(path: Path) -> np.ndarray | None:
+    """A saved entry, or None when there is none or it does not read back as one (measured again)."""
+    try:
+        known = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return known if known.ndim == 1 and known.dtype == np.int64 else None
+
+
+def _write(path: Path, known: np.ndarray) -> None:
+    """Saved whole or not at all (a rename); a folder that cannot be written only costs the next run time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, known, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

@@ -28,7 +28,6 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
     from importlib.metadata import version
 
     from siirl_dag.data.row_cache import folder_identity, measured
-    from siirl_dag.strategies.vllm.layout import prompt_token_ids
 
     model, chat = pipeline.models[node.model], node.options["chat_template"]
     tokenizer_files = folder_identity(model.tokenizer_path)
@@ -36,6 +35,8 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
         {"count": "prompt tokens", "tokenizer": tokenizer_files, "chat_template": chat, "transformers": version("transformers")}
 
     def count(rows):
+        from siirl_dag.strategies.vllm.layout import prompt_token_ids  # torch, as the tokenizer: only to count
+
         tokenizer = model.load_tokenizer()
         return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat)) for row in rows]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("import sys; from siirl_dag.config import load_pipeline; from siirl_dag.trainer.loop import Trainer; "
           "Trainer(load_pipeline(sys.argv[1], sys.argv[2:], for_run=True), progress=lambda *_: None); "
-          "print('transformers' in sys.modules)")
+          "print(*(m in sys.modules for m in ('transformers', 'torch')))")
 
 
 def task(tmp: Path, rows: int) -> list[str]:
@@ -41,11 +41,12 @@ def task(tmp: Path, rows: int) -> list[str]:
             f"data.val_files={tmp}/data/test.parquet", f"trainer.default_local_dir={tmp}/ckpt"]
 
 
-def timed(overrides: list[str], env: dict) -> tuple[float, bool]:
+def timed(overrides: list[str], env: dict) -> tuple[float, list[bool]]:
+    """Seconds, and whether the checks loaded transformers and torch."""
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", CHECKS, "graphs/tiny_grpo_cpu.yaml", *overrides], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True)
-    return time.perf_counter() - t, res.stdout.split()[-1] == "True"
+    return time.perf_counter() - t, [word == "True" for word in res.stdout.split()[-2:]]
 
 
 def main() -> None:
@@ -65,12 +66,12 @@ def main() -> None:
             warm.append(timed(overrides, env))
     result = {"rows": args.rows + 200, "cold_s": round(statistics.median(t for t, _ in cold), 2),
               "warm_s": round(statistics.median(t for t, _ in warm), 2),
-              "tokenizer_loaded": {"cold": all(x for _, x in cold), "warm": any(x for _, x in warm)}}
+              "loaded_transformers_torch": {"cold": cold[-1][1], "warm": warm[-1][1]}}
     if args.json:
         print(json.dumps({"preflight": result}, indent=2))
     else:
         print(f"a run's checks over {result['rows']:,} prompts, whole process: {result['cold_s']:.2f} s with the row "
-              f"cache empty, {result['warm_s']:.2f} s filled (tokenizer loaded: {result['tokenizer_loaded']})")
+              f"cache empty, {result['warm_s']:.2f} s filled (loaded transformers, torch: {result['loaded_transformers_torch']})")
 
 
 if __name__ == "__main__":

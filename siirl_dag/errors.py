@@ -62,3 +62,8 @@ class ConfigError(ValueError):
             problems = [problems]
         self.problems: list[Problem] = list(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class PipelineError(RuntimeError):
+    """A run failed for good (a node after its retries, a weight sync, a resume); names what failed
+    and where. Here, not in the runtime, so the CLI can catch it without loading torch."""

@@ -249,11 +249,15 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "siirl_dag.main", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_validate_and_a_refused_run_do_not_load_torch(tmp_path):
-    """Checking a pipeline takes about a second: torch (and Ray) load only for a run whose YAML passed."""
+def test_validate_and_a_refused_run_do_not_load_torch(tmp_path, tiny_model_dir):
+    """Checking a pipeline takes about a second: torch (and Ray) load only for a run whose YAML, data
+    and checkpoint passed."""
     code = "import sys; from siirl_dag.main import main; rc = main(sys.argv[1:]); print(rc, 'torch' in sys.modules)"
     bad = write(tmp_path, BASE.replace("total_steps", "total_step"), "bad.yaml")
-    for args, out in [(["validate", str(write(tmp_path, BASE))], "0 False"), ([str(bad)], "2 False")]:
+    no_data = write(tmp_path, BASE.replace("no/such/model", tiny_model_dir).replace("train.parquet", "missing.parquet"),
+                    "no_data.yaml")
+    for args, out in [(["validate", str(write(tmp_path, BASE))], "0 False"), ([str(bad)], "2 False"),
+                      ([str(no_data)], "2 False")]:
         res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
         assert res.stdout.splitlines()[-1] == out, res.stderr
 

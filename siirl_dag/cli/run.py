@@ -7,7 +7,7 @@ import sys
 
 from siirl_dag.config import load_pipeline
 from siirl_dag.config.overrides import OVERRIDE_FILE
-from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.errors import ConfigError, PipelineError, Problem
 
 EXPECTED_ADDRESS = "expected the address of a running Ray cluster (host:port, ray://host:port or auto), or none"
 
@@ -29,8 +29,7 @@ def _check_address(pipe, address: str | None) -> None:
 def main(args) -> int:
     pipe = load_pipeline(args.pipeline, args.overrides, for_run=True)
     _check_address(pipe, args.address)
-    # torch and Ray load (seconds) only once the YAML passed its checks: a bad one is refused at once
-    from siirl_dag.runtime import PipelineError
+    # the data and checkpoint checks (the Trainer's) load neither torch nor Ray: bad input is refused in about a second
     from siirl_dag.trainer.loop import Trainer
 
     for w in pipe.warnings:

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import networkx as nx
 
+from siirl_dag.errors import PipelineError
 from siirl_dag.graph import SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
@@ -26,10 +27,6 @@ SOURCE = "__source__"
 COMPUTE = "__compute__"
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
 NOT_SYNCED = -1  # a weights_from consumer's version before it got any weights from its trainer
-
-
-class PipelineError(RuntimeError):
-    """A node failed for good (after its retries); names node, rank and host."""
 
 
 @dataclass

@@ -9,17 +9,22 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from siirl_dag.data import PromptDataset, PromptLoader
-from siirl_dag.errors import ConfigError, Problem
-from siirl_dag.runtime import Batch, PipelineError, Runtime
+from siirl_dag.errors import ConfigError, PipelineError, Problem
 from siirl_dag.trainer import checkpoint
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
+if TYPE_CHECKING:  # the runtime (torch, Ray) loads at `fit`: the checks at construction need neither
+    from siirl_dag.runtime import Batch
+
 
 def _source(rows: list[dict], epoch_tag: str = "") -> Batch:
     """Data-loader rows -> the batch every step starts from (keys: graph.SOURCE_KEYS)."""
+    from siirl_dag.runtime import Batch
+
     return Batch(meta={"raw_prompt": [r["raw_prompt"] for r in rows], "uid": [f"{epoch_tag}{r['index']}" for r in rows],
                        "data_source": [r["data_source"] for r in rows], "ground_truth": [r["ground_truth"] for r in rows],
                        "extra_info": [r["extra_info"] for r in rows]})
@@ -114,6 +119,8 @@ class Trainer:
             self.progress(f"[trainer] {self.resume.path} is at step {self.step} of {self.total_steps}: nothing to train. "
                           "Raise trainer.total_steps to continue, or start afresh with a new trainer.experiment_name.")
             return {"steps": {}}
+        from siirl_dag.runtime import Runtime
+
         restore = self._restore_engines if self.resume.path else None
         with Runtime(self.pipe, self.address, self.progress, on_built=restore) as rt:
             self.rt = rt

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,26 @@ def test_measured_rows_are_kept_for_later_runs(tmp_path, monkeypatch):
     assert row_cache.measured(whole, {"v": 2}, measure, "lengths") and len(asked) == 3
     assert row_cache.measured(whole, None, measure, "lengths") and len(asked) == 4  # None: this process only
     assert len(list((tmp_path / "cache").glob("*.npy"))) == 3
+
+
+def test_the_row_cache_keeps_the_entries_used_last(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIIRL_DAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(row_cache, "KEEP", 2)
+    data, asked = PromptDataset([verl_file(tmp_path, n=4)], "prompt"), []
+
+    def measure(rows):
+        asked.append(len(rows))
+        return [1] * len(rows)
+
+    def in_a_new_process(v) -> int:
+        monkeypatch.setattr(row_cache, "_MEMORY", {})
+        time.sleep(0.05)  # file times tick coarsely
+        row_cache.measured(data, {"v": v}, measure, "ones")
+        return len(asked)
+
+    # 1 is read (used) after 2 was written: writing 3 drops 2
+    assert [in_a_new_process(v) for v in (1, 2, 1, 3)] == [1, 2, 2, 3]
+    assert [in_a_new_process(v) for v in (1, 2)] == [3, 4] and len(list((tmp_path / "cache").glob("*.npy"))) == 2
 
 
 def test_a_damaged_or_unwritable_row_cache_only_costs_time(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ data set takes minutes more; a restart on the same files and tokenizer needs nei
 An entry is keyed by everything its numbers depend on: the data files (path, size, modification
 time), the prompt column, and what the caller puts in `what` (its tokenizer's files, a template
 flag, library versions). A changed file makes a new key; an entry that does not read back is
-measured again. The folder: $SIIRL_DAG_CACHE, else $XDG_CACHE_HOME/siirl_dag, else ~/.cache/siirl_dag.
+measured again. The folder: $SIIRL_DAG_CACHE, else $XDG_CACHE_HOME/siirl_dag, else ~/.cache/siirl_dag;
+it keeps the KEEP entries used last (a read or a write marks an entry used).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from siirl_dag.data.dataset import PromptDataset
 
 UNMEASURED = -1
+KEEP = 32  # entries on disk (8 bytes a row each: a million prompts take 8 MB)
 SAY_FROM = 20_000  # rows to measure before it says so (about a second of token counting)
 _MEMORY: dict[str, np.ndarray] = {}  # key -> value per row index, for this process
 
@@ -78,6 +80,8 @@ def _read(path: Path) -> np.ndarray | None:
         known = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError):
         return None
+    with contextlib.suppress(OSError):  # used: the last to be pruned
+        os.utime(path)
     return known if known.ndim == 1 and known.dtype == np.int64 else None
 
 
@@ -95,3 +99,18 @@ def _write(path: Path, known: np.ndarray) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        return
+    _prune(path.parent)
+
+
+def _prune(folder: Path) -> None:
+    """Only the KEEP entries used last stay."""
+    def used(entry: Path) -> float:
+        try:
+            return entry.stat().st_mtime
+        except OSError:  # gone meanwhile (another run pruned it)
+            return float("inf")
+
+    for entry in sorted(folder.glob("*.npy"), key=used, reverse=True)[KEEP:]:
+        with contextlib.suppress(OSError):
+            entry.unlink()

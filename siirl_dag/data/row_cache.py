@@ -58,7 +58,8 @@ def measured(data: PromptDataset, what: dict | None, measure: Callable[[list[dic
     missing = [row for row in data.rows if known[row["index"]] == UNMEASURED]
     if missing:
         if len(missing) >= SAY_FROM:
-            print(f"[data] measuring {label} over {len(missing):,} rows (once: kept in {cache_dir()}) ...", file=sys.stderr)
+            kept = f"once: kept in {cache_dir()}" if what is not None else "for this run only"
+            print(f"[data] measuring {label} over {len(missing):,} rows ({kept}) ...", file=sys.stderr)
         known[[row["index"] for row in missing]] = measure(missing)
         if what is not None:
             _write(cache_dir() / f"{key}.npy", known)

@@ -61,7 +61,7 @@ class PromptDataset:
         self.prompt_key = prompt_key
         self.rows: list[dict] = []
         self._starts: list[int] = []  # the index of each file's first row
-        self._files: list[str] = []
+        self.files: list[str] = []  # the files read, in order
         problems: list[Problem] = []
         for k, f in enumerate(files):
             where = config_path + ((k,) if len(files) > 1 else ())
@@ -113,7 +113,7 @@ class PromptDataset:
             return [_unreadable(path, where, e)]
         start = len(self.rows)
         self._starts.append(start)
-        self._files.append(path)
+        self.files.append(path)
         for i, rec in enumerate(records):
             truth = rec["ground_truth"] if truth_column == "ground_truth" else (rec["reward_model"] or {}).get("ground_truth")
             checks = (
@@ -139,16 +139,10 @@ class PromptDataset:
         """Leave out the rows of these indices (their ids stay those of the files' rows)."""
         self.rows = [row for row in self.rows if row["index"] not in indices]
 
-    def identity(self) -> dict:
-        """What the rows came from, as a cache key: each file's path, size and modification time,
-        and the prompt column."""
-        files = [[os.path.abspath(f), (st := os.stat(f)).st_size, st.st_mtime_ns] for f in self._files]
-        return {"files": files, "prompt_key": self.prompt_key}
-
     def source(self, index: int) -> tuple[str, int]:
         """The file a row came from and its row number there (for messages about it)."""
         k = bisect.bisect_right(self._starts, index) - 1
-        return self._files[k], index - self._starts[k]
+        return self.files[k], index - self._starts[k]
 
     def __getitem__(self, i: int) -> dict:
         return self.rows[i]

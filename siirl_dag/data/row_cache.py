@@ -42,14 +42,21 @@ def folder_identity(path: str) -> list | None:
     is not one (a hub id: nothing on disk says when it changed)."""
     if not os.path.isdir(path):
         return None
-    return sorted([e.name, (st := e.stat()).st_size, st.st_mtime_ns] for e in os.scandir(path) if e.is_file())
+    return sorted([e.name, *_stamp(e)] for e in os.scandir(path) if e.is_file())
+
+
+def _stamp(path: str | os.DirEntry) -> list[int]:
+    """Size and modification time: what changes when a file is written again."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
 
 
 def measured(data: PromptDataset, what: dict | None, measure: Callable[[list[dict]], list[int]], label: str) -> list[int]:
     """`measure(rows)` for every row of `data`, in row order; only rows not measured before under
     the same files and `what` are passed to it. `what` None: remembered in this process only.
     `label` names the numbers in the line said before a long measurement."""
-    key = hashlib.sha256(json.dumps([data.identity(), what], sort_keys=True).encode()).hexdigest()
+    source = {"files": [[os.path.abspath(f), *_stamp(f)] for f in data.files], "prompt_key": data.prompt_key}
+    key = hashlib.sha256(json.dumps([source, what], sort_keys=True).encode()).hexdigest()
     size = 1 + max((row["index"] for row in data.rows), default=-1)
     known = _MEMORY.get(key)
     if known is None and what is not None:

@@ -112,8 +112,8 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, f
     resumed = parsed(res)
     assert set(straight["steps"]) == {"1", "2", "3", "4"} and set(resumed["steps"]) == {"3", "4"}
     # the checkpoint loads before the start-up sync: the rollout is synced once, straight to its weights
-    assert [line.split(" (")[0] for line in res.stderr.splitlines() if "weights synced" in line] == \
-        ["[runtime] weights synced: rollout <- actor_update v2"]
+    assert [line for line in res.stderr.splitlines() if "syncing weights" in line] == \
+        ["[runtime] syncing weights: rollout <- actor_update v2 ..."]
     # the same engine started in `four_steps`: this start loads its compiled model from vLLM's cache
     assert "load failure" not in res.stdout + res.stderr, "vLLM compiled again"
     for step in ("3", "4"):

@@ -106,11 +106,14 @@ class Runtime:
             raise PipelineError(f"building the engines failed: {cause}") from None
         if self.on_built:
             self.on_built(self)
-        # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
-        took = self.sync_weights().get("timing_s/sync_weights", 0.0)
+        # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none);
+        # the first sync into a process may compile its copies (seconds), so it is announced
         if self.synced:
-            pairs = ", ".join(f"{dst} <- {self.pipe.nodes[dst].weights_from} v{v}" for dst, v in self.synced.items())
-            progress(f"[runtime] weights synced: {pairs} ({took:.2f} s)")
+            sources = {dst: self.pipe.nodes[dst].weights_from for dst in self.synced}
+            pairs = ", ".join(f"{dst} <- {src} v{self.versions[src]}" for dst, src in sources.items())
+            progress(f"[runtime] syncing weights: {pairs} ...")
+            took = self.sync_weights().get("timing_s/sync_weights", 0.0)
+            progress(f"[runtime] weights synced in {took:.2f} s")
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
     def _create_group(self, group: str) -> list:

@@ -116,6 +116,7 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, f
         ["[runtime] syncing weights: rollout <- actor_update v2 ..."]
     # the same engine started in `four_steps`: this start loads its compiled model from vLLM's cache
     assert "load failure" not in res.stdout + res.stderr, "vLLM compiled again"
+    assert "reset prefix cache" not in res.stdout + res.stderr  # vLLM's line at every weight update
     for step in ("3", "4"):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)

@@ -28,6 +28,8 @@ from siirl_dag.strategies.vllm.layout import Sample, pack_batch, prompt_token_id
 from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
 
 log = logging.getLogger(__name__)
+# vLLM says this at INFO whenever the prefix cache is reset, which a weight update does every step
+logging.getLogger("vllm.v1.core.block_pool").addFilter(lambda r: r.getMessage() != "Successfully reset prefix cache")
 
 
 def model_path(model: Any) -> str:

@@ -120,13 +120,16 @@ def test_copies_into_a_packed_weight_are_replayed_into_its_row_blocks_whatever_r
     torch.testing.assert_close(model.weight.data, torch.cat([plain["q"], plain["k"]]), rtol=0, atol=0)
 
 
-def test_row_blocks_are_written_the_same_compiled_or_not():
+def test_row_blocks_are_written_the_same_compiled_or_not(capfd):
     from siirl_dag.weight_sync import row_blocks
 
+    row_blocks._compiled.cache_clear()  # as in a new process
     src = torch.randn(4096, 320)  # over the size that runs compiled
     big = torch.zeros(4096 // 64, 320, 64)
     row_blocks.copy_into(big, src)
     torch.testing.assert_close(big, blocked(src, 64), rtol=0, atol=0)
+    row_blocks.copy_into(big, src)
+    assert capfd.readouterr().err.count("[weight sync] compiling the copies into row blocks") == 1
     small = torch.zeros(2, 3, 64)
     row_blocks.copy_into(small, src[:128, :3])
     torch.testing.assert_close(small, blocked(src[:128, :3], 64), rtol=0, atol=0)

@@ -14,6 +14,7 @@ left symbolic, inductor tiles it with vectorised 16x16 transposes: 184 MiB in 10
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -61,5 +62,7 @@ def _copy(packed: torch.Tensor, src: torch.Tensor) -> None:
 @functools.cache
 def _compiled():
     """Compiled on first use of a kind of weight (a few seconds each, once per process; inductor's
-    cache on disk shortens it for later processes)."""
+    cache on disk shortens it for later processes), so the first sync says why it takes longer."""
+    print("[weight sync] compiling the copies into row blocks (once per process and kind of weight, a few "
+          "seconds each without inductor's cache) ...", file=sys.stderr, flush=True)
     return torch.compile(_copy, dynamic=False)

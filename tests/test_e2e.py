@@ -4,6 +4,7 @@ and exact resume on the local runtime. Each run is a real `python -m siirl_dag.m
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,12 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, f
     # the same engine started in `four_steps`: this start loads its compiled model from vLLM's cache
     assert "load failure" not in res.stdout + res.stderr, "vLLM compiled again"
     assert "reset prefix cache" not in res.stdout + res.stderr  # vLLM's line at every weight update
+    # a save says so before and after, each on a line of its own (not appended to the training bar)
+    lines = re.split(r"[\r\n]", res.stderr)  # the bar redraws itself after a carriage return
+    assert "[trainer] step 4: saving a checkpoint ..." in lines
+    assert any(re.fullmatch(r"\[trainer\] step 4: saved \S+/global_step_4 in \d+\.\d s", line) for line in lines), \
+        res.stderr[-3000:]
+    assert "timing_s/save_checkpoint" in resumed["steps"]["4"] and "timing_s/save_checkpoint" not in resumed["steps"]["3"]
     for step in ("3", "4"):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)

@@ -34,7 +34,13 @@ def main(args) -> int:
 
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
-    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print  # --json: stdout holds only the JSON
+    out = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the JSON
+
+    def say(*parts) -> None:
+        from tqdm import tqdm  # (a tenth of a second to import: not for a run refused at its checks)
+
+        tqdm.write(" ".join(map(str, parts)), file=out)  # a line above the training bar, not appended to it
+
     trainer = Trainer(pipe, address=args.address, progress=say)
     say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
     try:

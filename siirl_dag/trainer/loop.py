@@ -139,7 +139,11 @@ class Trainer:
                         metrics.update(self.validate())
                         history["val_last"] = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
                     if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
+                        self.progress(f"[trainer] step {self.step}: saving a checkpoint ...")
+                        began = time.perf_counter()
                         saved = self.save()
+                        metrics["timing_s/save_checkpoint"] = time.perf_counter() - began
+                        self.progress(f"[trainer] step {self.step}: saved {saved} in {metrics['timing_s/save_checkpoint']:.1f} s")
                     log.log(self.step, metrics)
                     history["steps"][self.step] = metrics
                 if t.export_hf and self.trainers:

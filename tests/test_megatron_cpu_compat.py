@@ -123,3 +123,22 @@ def test_rng_tracker_uses_cpu_state_and_torch_norm_takes_sequence_parallel():
     out = run_ranks(_rng_and_norm, 1)[0]
     assert out["restored"] and out["reproducible"]
     assert out["norm_type"] == "RMSNorm" and out["sp_tagged"] and out["plain_untagged"]
+
+
+def _warnings_at_import(rank, world):
+    import warnings
+
+    from siirl_dag.strategies.megatron import cpu_compat
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_compat.apply()
+        cpu_compat.apply_without_te()
+    return [str(w.message) for w in caught]
+
+
+def test_megatrons_warnings_about_cuda_only_libraries_are_not_shown():
+    """Transformer Engine and Apex cannot run on CPU: megatron's import-time warnings that it falls back
+    without them (seven at each rank's start) say nothing there."""
+    caught = run_ranks(_warnings_at_import, 1)[0]
+    assert not [m for m in caught if "not installed" in m], caught

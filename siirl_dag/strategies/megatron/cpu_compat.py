@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -201,6 +202,8 @@ def apply() -> None:
     if torch.cuda.is_available():
         return
     with _lock:
+        # both are CUDA-only: megatron's warnings at import that it falls back without them say nothing here
+        warnings.filterwarnings("ignore", r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning, "megatron")
         for name in _MODULES:
             importlib.import_module(name)
         _patch_proxies()  # cheap; also covers megatron modules imported since the last call

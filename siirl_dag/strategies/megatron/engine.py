@@ -86,6 +86,7 @@ class MegatronEngine(Strategy):
             # Weights come from the HF checkpoint, but megatron only tags TP-sharded weights
             # (which grad-norm and checkpoint code rely on) in its init path: keep it on.
             perform_initialization=True,
+            cuda_graph_scope=[],  # what its default "full" means (megatron warns that "full" is deprecated)
         )
         if self.spec.num_experts:
             kw.update(moe_token_dispatcher_type=o["moe_token_dispatcher_type"],

@@ -128,12 +128,10 @@ def test_rng_tracker_uses_cpu_state_and_torch_norm_takes_sequence_parallel():
 def _warnings_at_import(rank, world):
     import warnings
 
-    from siirl_dag.strategies.megatron import cpu_compat
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cpu_compat.apply()
-        cpu_compat.apply_without_te()
+        from siirl_dag.strategies.megatron import engine  # noqa: F401 - as a rank starts: the strategy first,
+        from megatron.core import parallel_state  # noqa: F401 - then megatron (model.init_parallel)
     return [str(w.message) for w in caught]
 
 

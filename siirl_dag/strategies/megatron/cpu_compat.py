@@ -55,6 +55,10 @@ _MODULES = (
     "megatron.core.optimizer_param_scheduler",
 )
 _state = {"cpu": False, "no_te": False}
+if not torch.cuda.is_available():
+    # Set on import (the strategy's modules import this one first): megatron warns at its own first
+    # import that it falls back without Transformer Engine and Apex, both CUDA-only, so nothing to say here.
+    warnings.filterwarnings("ignore", r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning, "megatron")
 _lock = threading.RLock()
 
 
@@ -202,8 +206,6 @@ def apply() -> None:
     if torch.cuda.is_available():
         return
     with _lock:
-        # both are CUDA-only: megatron's warnings at import that it falls back without them say nothing here
-        warnings.filterwarnings("ignore", r"(Transformer Engine and Apex are|Apex is) not installed", UserWarning, "megatron")
         for name in _MODULES:
             importlib.import_module(name)
         _patch_proxies()  # cheap; also covers megatron modules imported since the last call

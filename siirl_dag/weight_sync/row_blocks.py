@@ -64,6 +64,6 @@ def _copy(packed: torch.Tensor, src: torch.Tensor) -> None:
 def _compiled():
     """Compiled on first use of a kind of weight (a few seconds each, once per process; inductor's
     cache on disk shortens it for later processes), so the first sync says why it takes longer."""
-    print("[weight sync] compiling the copies into row blocks (once per process and kind of weight, a few "
-          "seconds each without inductor's cache) ...", file=sys.stderr, flush=True)
+    print("[weight sync] compiling the copies into row blocks (seconds, once per process) ...", file=sys.stderr,
+          flush=True)
     return torch.compile(_copy, dynamic=False)

@@ -9,6 +9,9 @@ code in the same process see the real torch. Two entry points, both idempotent:
 - `apply()`: the CPU shims; a no-op when CUDA is available.
 - `apply_without_te()`: fixes for a missing Transformer Engine (the local layer spec), which
   also matter on a GPU without TE; a no-op when TE is installed.
+
+Importing this module (without CUDA) also hides megatron's warnings about the missing CUDA-only
+libraries: they are raised by megatron's own first import, which comes before `apply()`.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def main() -> None:
         path = make_model(tmp, a.hidden_size, a.num_layers, a.vocab)
         engine = MegatronEngine(RankContext(0, 1), {"path": path}, {"lr": 1e-5})
         config = copy.copy(engine.config)  # its own: the schedule reads hooks off the model's config
-        bare = BareLoop(model_lib.build_model(engine.spec, config, engine.mesh), config, 1e-5)
+        bare = BareLoop(model_lib.build_model(engine.spec, config, engine.mesh, engine.device), config, 1e-5)
     batch = make_batch(a.batch, a.prompt_len, a.response_len, a.vocab)
     seq = a.prompt_len + a.response_len
     micro = bare.prepare(batch, a.micro_batch)

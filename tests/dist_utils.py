@@ -1,7 +1,7 @@
 """Helpers for multi-process tests: gloo ranks spawned with torch.multiprocessing, tiny HF models.
 
 `run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in fresh processes joined in
-one gloo process group and returns the per-rank results (an exception in any rank fails the call
+one process group (gloo; `backend="nccl"` for ranks on GPUs) and returns the per-rank results (an exception in any rank fails the call
 with that rank's traceback). `fn` must be importable (a module-level function).
 """
 
@@ -30,12 +30,14 @@ def _pack(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple, backend: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         queue.put((rank, True, _pack(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -50,12 +52,12 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple) -
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo") -> list[Any]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -12,10 +12,10 @@ from test_megatron_engine import pg_loss
 OPTS = {"lr": 1e-3, "eps": 1e-3}
 
 
-def _save(rank, world, path, sizes, ckpt, hf_dir):
+def _save(rank, world, path, sizes, ckpt, hf_dir, device="cpu"):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    eng = MegatronEngine(RankContext(rank, world, sizes=sizes), {"path": path}, OPTS)
+    eng = MegatronEngine(RankContext(rank, world, device=device, sizes=sizes), {"path": path}, OPTS)
     batch = make_batch(8)
     eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
     eng.save_checkpoint(ckpt)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext, Strategy
-from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, options, optim
+from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, offload, options, optim
 from siirl_dag.strategies.megatron import model as model_lib
 from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
@@ -59,9 +59,10 @@ class MegatronEngine(Strategy):
         model_lib.init_parallel(self.mesh, self.opts["seed"])
         self.spec, shape = model_lib.model_config_kwargs(_model_path(model), self.opts["value_head"])
         self.config = self._transformer_config(TransformerConfig, shape)
-        self.chunks = model_lib.build_model(self.spec, self.config, self.mesh)
+        self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device)
         self.train_state: optim.Trainable | None = None
         self._offloaded = False
+        self._parked = {"params": offload.HostCopies(), "optimizer": offload.HostCopies()}
 
     # ---------------------------------------------------------------- setup
     def _transformer_config(self, cls, shape: dict[str, Any]):
@@ -388,17 +389,23 @@ class MegatronEngine(Strategy):
             self._offloaded = False
 
     def _move_state(self, to_host: bool) -> None:
+        """With the distributed optimizer, params and grads live in DDP buffers, which megatron parks
+        itself; other params and the optimizer's tensors are parked here (`offload.HostCopies`)."""
         o, state = self.opts, self.train_state
         buffers = [b for m in state.model for b in m.buffers + m.expert_parallel_buffers] if state else []
-        for b in buffers:  # megatron's own RL offload of DDP buffers (params live there with distopt)
+        params = [p for c in self.chunks for p in c.parameters()]
+        if not to_host:
+            self._parked["params"].onload()
+        for b in buffers:
             move = b.offload_to_cpu if to_host else b.reload_from_cpu
             move(move_params=o["param_offload"], move_grads=o["grad_offload"])
+        if not to_host:
+            self._parked["optimizer"].onload()
+            return
+        if state and o["optimizer_offload"]:  # the model's own params are param_offload's to move
+            self._parked["optimizer"].offload(offload.optimizer_tensors(state.optimizer),
+                                              skip=offload.storage_addresses(params))
         if o["param_offload"] and not any(b.param_data is not None for b in buffers):
-            for c in self.chunks:  # params outside DDP buffers: move the tensors themselves
-                for p in c.parameters():
-                    p.data = p.data.to("cpu" if to_host else self.device, non_blocking=True)
-        if state and o["optimizer_offload"]:
-            state.optimizer.offload_to_cpu() if to_host else state.optimizer.restore_from_cpu()
-        if to_host:
-            torch.cuda.empty_cache()
+            self._parked["params"].offload(params)
+        torch.cuda.empty_cache()
 

@@ -121,8 +121,10 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def build_model(spec: HFSpec, config, mesh: Mesh) -> list[torch.nn.Module]:
-    """GPTModel chunks (one per virtual stage) of this rank, holding the HF weights."""
+def build_model(spec: HFSpec, config, mesh: Mesh, device: torch.device) -> list[torch.nn.Module]:
+    """GPTModel chunks (one per virtual stage) of this rank on `device`, holding the HF weights.
+    megatron makes its parallel layers' weights on the GPU itself, but not the torch modules of its
+    local spec (the RMSNorms without Apex or Transformer Engine): the chunks are moved as a whole."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -153,7 +155,7 @@ def build_model(spec: HFSpec, config, mesh: Mesh) -> list[torch.nn.Module]:
         )
         if spec.value_head and chunk.post_process:
             chunk.output_layer = ValueHead(config, chunk.output_layer.weight.device)
-        chunks.append(chunk)
+        chunks.append(chunk.to(device))
     load_hf(chunks, spec)
     return chunks
 

@@ -1,0 +1,113 @@
+"""The CUDA paths, skipped where there is no GPU (CI has none; run them on a GPU machine):
+megatron on a GPU gives the CPU run's log-probs, loss, grad norm and update and exports the HF
+weights exactly; a checkpoint it saves resumes on a CPU rank; offload moves the training state off the GPU and onload brings all of it back (the
+next step still matches the CPU's); and the weight sync's buckets broadcast over NCCL arrive bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import _free_port, hf_state, make_batch, make_tiny_hf, run_ranks
+from siirl_dag.strategies.base import RankContext
+from test_megatron_checkpoint import _load, _save
+from test_megatron_engine import OPTS, pg_loss
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+OFFLOAD = {"param_offload": True, "grad_offload": True, "optimizer_offload": True}
+
+
+def _step(rank, world, path, device, opts):
+    from siirl_dag.strategies.megatron.engine import MegatronEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products, to compare with the CPU's
+    eng = MegatronEngine(RankContext(rank, world, device=device), {"path": path}, {**OPTS, **OFFLOAD, **opts})
+    batch = make_batch(8)
+    out = {"export": {name: t.cpu() for name, t in eng.export_hf_weights()},
+           "before": eng.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
+           "metrics": eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2),
+           "after": eng.compute_logprobs(batch, micro_batch_size=3)["logprobs"]}
+    if device == "cuda":
+        out["on_device"] = str(next(eng.chunks[0].parameters()).device)
+        params = sum(p.numel() * p.element_size() for c in eng.chunks for p in c.parameters())
+        used = torch.cuda.memory_allocated()
+        eng.offload()
+        # params, their grads and Adam's two moments (fp32); cuBLAS's workspaces stay
+        out["freed"] = (used - torch.cuda.memory_allocated(), 4 * params)
+        eng.onload()
+        out["after_onload"] = eng.compute_logprobs(batch, micro_batch_size=3)["logprobs"]
+    out["metrics2"] = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
+    out["after2"] = eng.compute_logprobs(batch, micro_batch_size=3)["logprobs"]
+    return out
+
+
+@pytest.mark.parametrize("arch, opts", [("qwen2", {}), ("qwen3_moe", {}),
+                                        ("qwen2", {"use_distributed_optimizer": True})], ids=["dense", "moe", "distopt"])
+def test_megatron_on_a_gpu_gives_the_cpu_runs_numbers(arch, opts, tmp_path, monkeypatch):
+    path = make_tiny_hf(str(tmp_path / arch), arch)
+    gpu = run_ranks(_step, 1, path, "cuda", opts, backend="nccl")[0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the reference rank sees no GPU, as on CI
+    cpu = run_ranks(_step, 1, path, "cpu", opts)[0]
+
+    assert gpu["on_device"].startswith("cuda")
+    expected = hf_state(path)
+    assert sorted(gpu["export"]) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(gpu["export"][name], tensor), name
+    torch.testing.assert_close(gpu["before"], cpu["before"], atol=1e-5, rtol=0)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert gpu["metrics"][key] == pytest.approx(cpu["metrics"][key], rel=1e-5, abs=1e-6), key
+    torch.testing.assert_close(gpu["after"], cpu["after"], atol=2e-5, rtol=0)
+
+    freed, state = gpu["freed"]
+    assert freed >= state, f"offload freed {freed} bytes of the GPU, expected the training state's {state}"
+    assert torch.equal(gpu["after_onload"], gpu["after"])
+    for key in ("loss", "grad_norm"):
+        assert gpu["metrics2"][key] == pytest.approx(cpu["metrics2"][key], rel=1e-4, abs=1e-6), key
+    torch.testing.assert_close(gpu["after2"], cpu["after2"], atol=5e-5, rtol=0)
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path, monkeypatch):
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
+    ckpt, hf_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    saved, after = run_ranks(_save, 1, path, {}, ckpt, hf_dir, "cuda", backend="nccl")[0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    fresh, loaded, after_load = run_ranks(_load, 1, path, {}, ckpt)[0]
+    assert (fresh - saved).abs().max() > 1e-3, "the checkpoint must differ from the HF weights"
+    torch.testing.assert_close(loaded, saved, atol=1e-5, rtol=0)
+    for key in ("loss", "grad_norm", "lr"):  # the optimizer state and schedule came back too
+        assert after_load[key] == pytest.approx(after[key], rel=1e-5, abs=1e-6), key
+
+
+def _broadcast(rank, world, port, path, bucket_bytes):
+    from siirl_dag.weight_sync.buckets import Buckets
+    from siirl_dag.weight_sync.collective import SyncGroup
+
+    torch.cuda.set_device(rank)
+    group = SyncGroup("127.0.0.1", port, rank, world, "cuda")
+    try:
+        if rank == 0:
+            buckets = Buckets(hf_state(path).items(), bucket_bytes)
+            while (bucket := buckets.next()) is not None:
+                group.write(bucket)
+            group.write(None)
+            return buckets.stats
+        got = {}
+        while (bucket := group.read()) is not None:
+            assert all(t.is_cuda for _, t in bucket)
+            got.update((name, t.cpu()) for name, t in bucket)
+        return got
+    finally:
+        group.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU ('Duplicate GPU detected')")
+def test_weight_buckets_broadcast_over_nccl_arrive_exactly(tmp_path):
+    path = make_tiny_hf(str(tmp_path / "qwen2"), "qwen2")
+    expected = hf_state(path)
+    sent, received = run_ranks(_broadcast, 2, _free_port(), path, 200_000)
+    assert sent["sync/buckets"] > 2
+    assert sorted(received) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(received[name], tensor), name

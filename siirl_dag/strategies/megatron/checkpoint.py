@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from siirl_dag.strategies.megatron.hf_config import value_model_config
-from siirl_dag.strategies.megatron.hf_convert import HFSpec, export_hf
+from siirl_dag.strategies.megatron.hf_convert import HFSpec, bind, export_hf
 
 # Reshardable layouts: the distributed optimizer's state is saved per parameter (not per DP
 # buffer), so a checkpoint moves between TP/PP/DP sizes.
@@ -80,7 +80,7 @@ def save_hf(chunks: list[torch.nn.Module], spec: HFSpec, directory: str,
         os.makedirs(directory, exist_ok=True)
     files: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in export_hf(chunks, spec, first_rank_only=True):
+    for name, tensor in export_hf(bind(chunks, spec.value_head), spec, first_rank_only=True):
         if not writer:
             continue
         nbytes = tensor.numel() * tensor.element_size()

@@ -61,6 +61,7 @@ class MegatronEngine(Strategy):
         self.config = self._transformer_config(TransformerConfig, shape)
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device)
         self.train_state: optim.Trainable | None = None
+        self._bound: list[hf_convert.Bound] | None = None  # the chunks' parameters resolved for export
         self._offloaded = False
         self._parked = {"params": offload.HostCopies(), "optimizer": offload.HostCopies()}
 
@@ -362,7 +363,9 @@ class MegatronEngine(Strategy):
         the model-parallel group. copy=False may yield views of the live parameters (see hf_convert.export_hf);
         `timings["convert_s"]` accrues the seconds spent converting to HF's layout."""
         self._sync_params()
-        return hf_convert.export_hf(self.chunks, self.spec, copy, first_rank_only, timings)
+        if self._bound is None:
+            self._bound = hf_convert.bind(self.chunks, self.spec.value_head)
+        return hf_convert.export_hf(self._bound, self.spec, copy, first_rank_only, timings)
 
     def save_hf(self, directory: str) -> None:
         self._sync_params()

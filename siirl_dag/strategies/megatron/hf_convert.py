@@ -139,12 +139,28 @@ def _local_expert(name: str) -> tuple[int, str] | None:
     return None
 
 
-def _tp(b: Bound) -> tuple[int, int, Any]:
-    ps = _ps()
-    if b.expert is not None:
-        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
-                ps.get_expert_tensor_parallel_group())
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+@dataclass(frozen=True)
+class _Groups:
+    """This rank's TP (dense and expert) and EP coordinates, read from parallel_state once per walk."""
+
+    tp: tuple[int, int, Any]  # (rank, size, group)
+    expert_tp: tuple[int, int, Any]
+    ep_rank: int
+    ep_size: int
+    ep_group: Any
+
+    @classmethod
+    def now(cls) -> "_Groups":
+        ps = _ps()
+        return cls((ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                    ps.get_tensor_model_parallel_group()),
+                   (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                    ps.get_expert_tensor_parallel_group()),
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                   ps.get_expert_model_parallel_group())
+
+    def tp_of(self, b: Bound) -> tuple[int, int, Any]:
+        return self.expert_tp if b.expert is not None else self.tp
 
 
 def _qkv_groups(spec: HFSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -230,7 +246,7 @@ def _value_head_name(names: dict, spec: HFSpec) -> str | None:
 @torch.no_grad()
 def load_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> None:
     """Copy this rank's shards of the HF weights into the model chunks (no communication)."""
-    names = _open_shards(spec.path)
+    names, groups = _open_shards(spec.path), _Groups.now()
     for b in bind(chunks, spec.value_head):
         if b.rule is VALUE_HEAD:
             head = _value_head_name(names, spec)
@@ -244,7 +260,7 @@ def load_hf(chunks: list[torch.nn.Module], spec: HFSpec) -> None:
         missing = [n for n in hf_names if n not in names]
         if missing:
             raise ConfigError(f"HF checkpoint {spec.path!r} lacks {missing[:3]}")
-        rank, size, _ = _tp(b)
+        rank, size, _ = groups.tp_of(b)
         shard = to_mcore(b.rule.kind, [names[n].get_tensor(n) for n in hf_names], spec, rank, size, b.param.shape[0])
         if shard.shape != b.param.shape:
             raise ConfigError(f"{hf_names[0]}: shard shape {tuple(shard.shape)} != megatron {tuple(b.param.shape)}")
@@ -266,18 +282,18 @@ def _gather(t: torch.Tensor, size: int, group, everyone: bool) -> list[torch.Ten
     return out
 
 
-def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool,
+@torch.no_grad()
+def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool, groups: _Groups,
                   timings: dict) -> list[tuple[str, torch.Tensor]]:
     """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered (to every rank,
     or to the first of each group only). Without `copy` they may view the live parameters.
     `timings["convert_s"]` accrues the time spent converting gathered shards to HF tensors."""
-    ps = _ps()
-    ep_size, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
+    ep_size, ep_group = groups.ep_size, groups.ep_group
     dense, experts = [], {}
     for b in bounds:
         if b.rule.mcore == "output_layer.weight" and spec.tied:
             continue
-        rank, size, group = _tp(b)
+        rank, size, group = groups.tp_of(b)
         param = b.param.detach()
         shards = _gather(param, size if b.rule.kind != "copy" else 1, group, everyone)
         if not everyone and rank != 0:
@@ -296,7 +312,7 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool,
         per_rank = [[t for _, hf in items for t in hf]]
         if ep_size > 1:
             gathered = [_gather(t, ep_size, ep_group, everyone) for t in per_rank[0]]
-            if not everyone and ps.get_expert_model_parallel_rank() != 0:
+            if not everyone and groups.ep_rank != 0:
                 continue
             per_rank = [list(x) for x in zip(*gathered)]
         n_local, n_hf = len(items), len(rule.hf)
@@ -308,10 +324,13 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool,
     return out
 
 
-@torch.no_grad()
-def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
+def export_hf(bounds: list[Bound], spec: HFSpec, copy: bool = True,
               first_rank_only: bool = False, timings: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit.
+    """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit, from the model
+    chunks' `bind`, which a caller exporting at every sync keeps: on a GPU the host's time per tensor,
+    not the copies, bounds a sync of a model of small tensors. The tensors carry no autograd history
+    (they come from detached parameters), so the walk is not wrapped in no_grad, which on a
+    generator toggles the grad mode at every yield.
 
     copy=False skips the copy of tensors whose layout needs no conversion: they then view the live
     parameters, for a consumer that is done with each one before the next optimizer step (weight sync).
@@ -325,9 +344,9 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
     sends to the first stage). `timings["convert_s"]`, if given, accrues the conversion's seconds.
     """
     timings = {} if timings is None else timings
-    ps = _ps()
+    ps, groups = _ps(), _Groups.now()
     units: dict[tuple, list[Bound]] = {}
-    for b in bind(chunks, spec.value_head):
+    for b in bounds:
         units.setdefault(b.unit, []).append(b)
     pp_size, pp_group = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()
     owners: dict[tuple, int] = {u: 0 for u in units}
@@ -336,10 +355,10 @@ def export_hf(chunks: list[torch.nn.Module], spec: HFSpec, copy: bool = True,
         dist.all_gather_object(everyone, sorted(units), group=pp_group)
         owners = {tuple(u): s for s, us in enumerate(everyone) for u in us}
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
-    device = next(p for c in chunks for p in c.parameters()).device
+    device = bounds[0].param.device
     for unit in sorted(owners):
         mine = unit in units
-        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only, timings) if mine else []
+        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only, groups, timings) if mine else []
         if pp_size > 1 and first_rank_only:
             tensors = _to_first_stage(tensors, owners[unit], pp_ranks, pp_group, device) if owners[unit] else tensors
         elif pp_size > 1:

@@ -31,11 +31,12 @@ def _step(rank, world, path, device, opts):
     if device == "cuda":
         out["on_device"] = str(next(eng.chunks[0].parameters()).device)
         params = sum(p.numel() * p.element_size() for c in eng.chunks for p in c.parameters())
-        used = torch.cuda.memory_allocated()
-        eng.offload()
-        # params, their grads and Adam's two moments (fp32); cuBLAS's workspaces stay
-        out["freed"] = (used - torch.cuda.memory_allocated(), 4 * params)
-        eng.onload()
+        for _ in range(2):  # the second time into the host copies the first one made
+            used = torch.cuda.memory_allocated()
+            eng.offload()
+            # params, their grads and Adam's two moments (fp32); cuBLAS's workspaces stay
+            out["freed"] = (used - torch.cuda.memory_allocated(), 4 * params)
+            eng.onload()
         out["after_onload"] = eng.compute_logprobs(batch, micro_batch_size=3)["logprobs"]
     out["metrics2"] = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
     out["after2"] = eng.compute_logprobs(batch, micro_batch_size=3)["logprobs"]

@@ -62,8 +62,7 @@ class MegatronEngine(Strategy):
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device)
         self.train_state: optim.Trainable | None = None
         self._bound: list[hf_convert.Bound] | None = None  # the chunks' parameters resolved for export
-        self._offloaded = False
-        self._parked = {"params": offload.HostCopies(), "optimizer": offload.HostCopies()}
+        self._offload = offload.Offload(self.opts)
 
     # ---------------------------------------------------------------- setup
     def _transformer_config(self, cls, shape: dict[str, Any]):
@@ -382,33 +381,10 @@ class MegatronEngine(Strategy):
     # ------------------------------------------------------------- offload
     def offload(self) -> None:
         """Free the GPU for a colocated role: params / grads / optimizer state to host, as configured."""
-        if self.cuda and not self._offloaded:
-            self._move_state(to_host=True)
-            self._offloaded = True
+        if self.cuda and not self._offload.active:
+            self._offload.to_host(self.chunks, self.train_state)
 
     def onload(self) -> None:
-        if self._offloaded:
-            self._move_state(to_host=False)
-            self._offloaded = False
-
-    def _move_state(self, to_host: bool) -> None:
-        """With the distributed optimizer, params and grads live in DDP buffers, which megatron parks
-        itself; other params and the optimizer's tensors are parked here (`offload.HostCopies`)."""
-        o, state = self.opts, self.train_state
-        buffers = [b for m in state.model for b in m.buffers + m.expert_parallel_buffers] if state else []
-        params = [p for c in self.chunks for p in c.parameters()]
-        if not to_host:
-            self._parked["params"].onload()
-        for b in buffers:
-            move = b.offload_to_cpu if to_host else b.reload_from_cpu
-            move(move_params=o["param_offload"], move_grads=o["grad_offload"])
-        if not to_host:
-            self._parked["optimizer"].onload()
-            return
-        if state and o["optimizer_offload"]:  # the model's own params are param_offload's to move
-            self._parked["optimizer"].offload(offload.optimizer_tensors(state.optimizer),
-                                              skip=offload.storage_addresses(params))
-        if o["param_offload"] and not any(b.param_data is not None for b in buffers):
-            self._parked["params"].offload(params)
-        torch.cuda.empty_cache()
+        if self._offload.active:
+            self._offload.restore()
 

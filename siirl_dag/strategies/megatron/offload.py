@@ -19,38 +19,70 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
 
 
-class HostCopies:
-    """The storages of some GPU tensors, parked in host memory between `offload` and `onload`."""
+class Offload:
+    """One engine's training state in host memory between `to_host` and `restore`, as its options say.
+    With the distributed optimizer, params and grads live in DDP buffers, which megatron parks itself;
+    other params and the optimizer's tensors are parked here. The pinned host copies stay from one
+    offload to the next (a colocated trainer offloads at every step), as megatron's buffers keep theirs."""
 
-    def __init__(self) -> None:
-        self._parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
-        self._host: list[torch.Tensor] = []  # pinned buffers, reused from one offload to the next
+    def __init__(self, opts: dict) -> None:
+        self.opts = opts
+        self.active = False
+        self._buffers: list = []
+        self._host: dict[str, list[torch.Tensor]] = {"params": [], "optimizer": []}
+        self._parked: dict[str, Parked] = {"params": [], "optimizer": []}
 
-    def offload(self, tensors: Iterable[torch.Tensor], skip: frozenset[int] = frozenset()) -> None:
-        """Park the storage of each CUDA tensor, once per storage, except those at the addresses in `skip`."""
-        seen = set(skip)
+    def to_host(self, chunks: list[torch.nn.Module], state) -> None:
+        o = self.opts
+        self._buffers = [b for m in state.model for b in m.buffers + m.expert_parallel_buffers] if state else []
+        params = [p for c in chunks for p in c.parameters()]
+        if state and o["optimizer_offload"]:  # the model's own params are param_offload's to move
+            self._park("optimizer", optimizer_tensors(state.optimizer), skip=_storage_addresses(params))
+        for b in self._buffers:
+            b.offload_to_cpu(move_params=o["param_offload"], move_grads=o["grad_offload"])
+        if o["param_offload"] and not any(b.param_data is not None for b in self._buffers):
+            self._park("params", params)
+        torch.cuda.empty_cache()
+        self.active = True
+
+    def restore(self) -> None:
+        _unpark(self._parked["params"])
+        for b in self._buffers:
+            b.reload_from_cpu(move_params=self.opts["param_offload"], move_grads=self.opts["grad_offload"])
+        _unpark(self._parked["optimizer"])
+        self._parked = {"params": [], "optimizer": []}
+        self.active = False
+
+    def _park(self, kind: str, tensors: Iterable[torch.Tensor], skip: frozenset[int] = frozenset()) -> None:
+        """Each CUDA tensor's storage (once per storage, none at an address in `skip`) copied to pinned
+        host memory, then resized to nothing."""
+        parked, seen, host = [], set(skip), self._host[kind]
         for t in tensors:
             storage = t.untyped_storage()
             if not t.is_cuda or storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
-            i = len(self._parked)
-            if i == len(self._host) or self._host[i].numel() != storage.nbytes():
-                self._host[i:i + 1] = [torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)]
-            self._host[i].copy_(_as_bytes(storage), non_blocking=True)
-            self._parked.append((storage, self._host[i]))
+            i = len(parked)
+            if i == len(host) or host[i].numel() != storage.nbytes():
+                host[i:i + 1] = [torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)]
+            host[i].copy_(_as_bytes(storage), non_blocking=True)
+            parked.append((storage, host[i]))
         torch.cuda.synchronize()  # the host copies are whole before the device memory goes
-        for storage, _ in self._parked:
+        for storage, _ in parked:
             storage.resize_(0)
-
-    def onload(self) -> None:
-        for storage, host in self._parked:
-            storage.resize_(host.numel())
-            _as_bytes(storage).copy_(host, non_blocking=True)
-        self._parked = []
+        self._parked[kind] = parked
 
 
-def storage_addresses(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+Parked = list[tuple[torch.UntypedStorage, torch.Tensor]]  # a storage and its pinned host copy
+
+
+def _unpark(parked: Parked) -> None:
+    for storage, host in parked:
+        storage.resize_(host.numel())
+        _as_bytes(storage).copy_(host, non_blocking=True)
+
+
+def _storage_addresses(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
 

@@ -1,7 +1,9 @@
-"""The CUDA paths, skipped where there is no GPU (CI has none; run them on a GPU machine):
-megatron on a GPU gives the CPU run's log-probs, loss, grad norm and update and exports the HF
-weights exactly; a checkpoint it saves resumes on a CPU rank; offload moves the training state off the GPU and onload brings all of it back (the
-next step still matches the CPU's); and the weight sync's buckets broadcast over NCCL arrive bit-exact."""
+"""The CUDA paths, skipped where there is no GPU (CI has none; run them on a GPU machine).
+
+A Megatron rank on the GPU gives the CPU rank's log-probs, loss, grad norm and update, and exports
+the HF weights exactly; offload moves its training state off the GPU and onload brings all of it
+back (the next step still matches the CPU's); a checkpoint it saves resumes on a CPU rank; and the
+weight sync's buckets broadcast over NCCL arrive bit-exact (two GPUs)."""
 
 from __future__ import annotations
 

@@ -114,14 +114,14 @@ def _reader(port: int, shapes: dict, repeats: int) -> None:
     group.close()
 
 
-def separate(engine, args) -> dict | str:
+def separate(engine, args) -> dict:
     import multiprocessing as mp
 
     from siirl_dag.weight_sync.buckets import Buckets, exported
     from siirl_dag.weight_sync.collective import SyncGroup
 
     if torch.cuda.device_count() < 2:
-        return "not run: NCCL needs a GPU per rank ('Duplicate GPU detected' on one)"
+        return {"layout": "separate", "not_run": "NCCL needs a GPU per rank ('Duplicate GPU detected' on one)"}
     shapes = {name: (t.shape, t.dtype) for name, t in engine.export_hf_weights(copy=False)}
     port = _free_port()
     reader = mp.get_context("spawn").Process(target=_reader, args=(port, shapes, args.repeats), daemon=True)
@@ -196,8 +196,8 @@ def main() -> None:
         return
     print(f"{report['device']}: hidden {args.hidden}, {args.layers} layers, {report['model']['dtype']}")
     for r in results:
-        if isinstance(r, str):
-            print(f"   separate: {r}")
+        if "not_run" in r:
+            print(f"{r['layout']:>11}: not run: {r['not_run']}")
             continue
         stages = ", ".join(f"{k} {1000 * v:.1f}" for k, v in r["stages_s"].items())
         print(f"{r['layout']:>11} ({r['transport']}): {r['bytes'] / 2**20:.0f} MiB in {1000 * r['sync_s']:.1f} ms "

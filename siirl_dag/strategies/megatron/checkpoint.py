@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from siirl_dag.strategies.megatron.hf_config import value_model_config
-from siirl_dag.strategies.megatron.hf_convert import HFSpec, bind, export_hf
+from siirl_dag.strategies.megatron.hf_convert import HFSpec
 
 # Reshardable layouts: the distributed optimizer's state is saved per parameter (not per DP
 # buffer), so a checkpoint moves between TP/PP/DP sizes.
@@ -66,9 +66,10 @@ def load(chunks: list[torch.nn.Module], state: Any, directory: str) -> None:
         state.scheduler.load_state_dict(loaded["scheduler"])
 
 
-def save_hf(chunks: list[torch.nn.Module], spec: HFSpec, directory: str,
+def save_hf(export: Iterable[tuple[str, torch.Tensor]], spec: HFSpec, directory: str,
             max_shard_bytes: int = 4 << 30) -> None:
-    """An HF model directory (safetensors + the source's config/tokenizer files), written by rank 0.
+    """An HF model directory (safetensors + the source's config/tokenizer files), written by rank 0
+    from the engine's export to the first rank.
 
     Collective: every rank iterates the export; rank 0 streams it into shards of at most
     `max_shard_bytes`.
@@ -80,7 +81,7 @@ def save_hf(chunks: list[torch.nn.Module], spec: HFSpec, directory: str,
         os.makedirs(directory, exist_ok=True)
     files: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in export_hf(bind(chunks, spec.value_head), spec, first_rank_only=True):
+    for name, tensor in export:
         if not writer:
             continue
         nbytes = tensor.numel() * tensor.element_size()

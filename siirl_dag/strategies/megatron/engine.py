@@ -61,7 +61,7 @@ class MegatronEngine(Strategy):
         self.config = self._transformer_config(TransformerConfig, shape)
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device)
         self.train_state: optim.Trainable | None = None
-        self._bound: list[hf_convert.Bound] | None = None  # the chunks' parameters resolved for export
+        self._bound = hf_convert.bind(self.chunks, self.spec.value_head)  # resolved once, for every export
         self._offload = offload.Offload(self.opts)
 
     # ---------------------------------------------------------------- setup
@@ -362,13 +362,10 @@ class MegatronEngine(Strategy):
         the model-parallel group. copy=False may yield views of the live parameters (see hf_convert.export_hf);
         `timings["convert_s"]` accrues the seconds spent converting to HF's layout."""
         self._sync_params()
-        if self._bound is None:
-            self._bound = hf_convert.bind(self.chunks, self.spec.value_head)
         return hf_convert.export_hf(self._bound, self.spec, copy, first_rank_only, timings)
 
     def save_hf(self, directory: str) -> None:
-        self._sync_params()
-        checkpoint.save_hf(self.chunks, self.spec, directory)
+        checkpoint.save_hf(self.export_hf_weights(first_rank_only=True), self.spec, directory)
 
     def save_checkpoint(self, directory: str) -> None:
         self._sync_params()

@@ -3,6 +3,8 @@ colocation, failures, retry, teardown, and local == Ray."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import textwrap
 from pathlib import Path
 
@@ -129,8 +131,20 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
     assert not _alive(pids), "every worker process must be gone after shutdown"
 
 
+def _descendants(pid: int, keep) -> list[int]:
+    """The pids of the processes under `pid` that `keep` takes: a run's own, not those of another test
+    that may run beside this one (pytest-xdist)."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # ended while listed
+            if keep(p):
+                found.append(p.pid)
+    return found
+
+
 def _rank_workers() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::RankWorker")}
+    """This process's Ray actors (its raylet starts them)."""
+    return set(_descendants(os.getpid(), lambda p: (p.cmdline() or [""])[0].startswith("ray::RankWorker")))
 
 
 def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
@@ -253,10 +267,6 @@ def test_local_backend_refuses_multi_rank_meshes(tmp_path):
         Runtime(pipe).start()
 
 
-def _rays() -> int:
-    return sum(1 for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server"))
-
-
 def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     """SIGINT during a step: exit 130 with a one-line message, and the run's Ray is gone."""
     import signal
@@ -278,17 +288,18 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
         trainer: {{total_steps: 1, logger: [console], default_local_dir: {tmp_path}/ckpt, export_hf: false}}
         runtime: {{stop_grace_s: 6}}
         """))
-    before = _rays()
     # SIGINT's default restored in the run: a suite started in the background of a non-interactive
     # shell inherits it ignored, and then so would the run
     proc = subprocess.Popen([sys.executable, "-m", "siirl_dag.main", str(tmp_path / "p.yaml")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**__import__("os").environ,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ,
                             "PYTHONPATH": str(Path(__file__).parent)},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     while not any(line.startswith("[runtime] ready") for line in seen) and proc.poll() is None:
         seen.append(proc.stdout.readline())
     time.sleep(3)  # the step (120 s) is running
+    rays = _descendants(proc.pid, lambda p: p.name() in ("raylet", "gcs_server"))
+    assert rays, "the run started a Ray of its own"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     out = "".join(seen) + out
@@ -296,9 +307,9 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     assert "interrupted; stopped cleanly." in err and "Traceback" not in err
     assert "[runtime] stopping: 1 worker(s) still busy, given 6 s" in out, "the user is told what the wait is for"
     deadline = time.time() + 30
-    while _rays() > before and time.time() < deadline:
+    while _alive(rays) and time.time() < deadline:
         time.sleep(0.5)
-    assert _rays() == before, "the run's Ray processes must be gone"
+    assert not _alive(rays), "the run's Ray processes must be gone"
 
 
 def test_wire_format_is_exact_and_narrow():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 OTHERS = {  # script -> arguments; each prints JSON with --json
     "validate": ["bench_validate.py", "--repeat", "2"],
@@ -51,13 +52,6 @@ def demo(path: str, steps: int) -> dict:
             "tokens_per_s": med("perf/throughput") * pipe.cluster.total, "score_mean": med("critic/score/mean")}
 
 
-def _report(stdout: str) -> dict:
-    """The JSON report in a script's output; Ray forwards its workers' log lines to the same stream,
-    before and after it (and they hold braces too), so the report is the object that opens a line."""
-    start = re.search(r"^\{", stdout, re.M)
-    return json.JSONDecoder().raw_decode(stdout[start.start():])[0] if start else {"error": "no JSON report"}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -65,15 +59,16 @@ def main() -> None:
     ap.add_argument("--pipeline", default=str(ROOT / "graphs" / "tiny_grpo_cpu.yaml"))
     ap.add_argument("--all", action="store_true", help="also run the other benchmark scripts")
     args = ap.parse_args()
-    report = {"demo": demo(args.pipeline, args.steps)}
-    if args.all:
-        for name, (script, *extra) in OTHERS.items():
-            res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--json", *extra], capture_output=True,
-                                 text=True, cwd=ROOT)
-            report[name] = _report(res.stdout) if res.returncode == 0 else {"error": res.stderr[-500:]}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
+    with json_stdout(args.json) as emit:
+        report = {"demo": demo(args.pipeline, args.steps)}
+        if args.all:
+            for name, (script, *extra) in OTHERS.items():
+                res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--json", *extra],
+                                     capture_output=True, text=True, cwd=ROOT)
+                report[name] = json.loads(res.stdout) if res.returncode == 0 else {"error": res.stderr[-500:]}
+        if args.json:
+            emit(report)
+            return
     d = report["demo"]
     print(f"demo ({d['pipeline']}): {d['step_s']:.3f} s/step, {d['tokens_per_s']:.0f} tokens/s, "
           f"weight sync {1000 * d['sync_weights_s']:.1f} ms ({d['sync_bytes'] / 2**20:.1f} MiB), "

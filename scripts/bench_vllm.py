@@ -16,7 +16,6 @@ slightly slower than HF; the README's table gives both readings.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -56,6 +55,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from make_tiny_model import make_tiny_model
+    from siirl_dag.cli.json_stdout import json_stdout
     from siirl_dag.strategies.base import RankContext
     from siirl_dag.strategies.vllm.rollout import VllmRollout
 
@@ -64,7 +64,7 @@ def main() -> None:
     prompts = [f"Q: {rng.randrange(100)}+{rng.randrange(100)}=? A:" for _ in range(a.prompts)]
     P, R = 32, a.new_tokens
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with json_stdout(a.json) as emit, tempfile.TemporaryDirectory() as tmp:
         heads = a.hidden_size // 32
         model_dir = make_tiny_model(tmp, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=heads,
                                     num_kv_heads=max(1, heads // 2), intermediate_size=4 * a.hidden_size)
@@ -95,19 +95,19 @@ def main() -> None:
         load_s = min(engine.load_weights(weights.items(), engine.weights_version + 1) for _ in range(a.repeats))
         engine.close()
 
-    result = {
-        "hidden_size": a.hidden_size, "num_layers": a.num_layers, "prompts": a.prompts, "n": a.n,
-        "new_tokens": R, "threads": a.threads, "enforce_eager": a.enforce_eager,
-        "cpu_packed_weights": not a.plain_weights,
-        "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate),
-        "speedup": round(vllm_rate / hf_rate, 2),
-        "engine_start_s": round(engine_start_s, 2), "load_weights_s": round(load_s, 4),
-    }
-    if a.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>18}: {value}")
+        result = {
+            "hidden_size": a.hidden_size, "num_layers": a.num_layers, "prompts": a.prompts, "n": a.n,
+            "new_tokens": R, "threads": a.threads, "enforce_eager": a.enforce_eager,
+            "cpu_packed_weights": not a.plain_weights,
+            "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate),
+            "speedup": round(vllm_rate / hf_rate, 2),
+            "engine_start_s": round(engine_start_s, 2), "load_weights_s": round(load_s, 4),
+        }
+        if a.json:
+            emit(result)
+            return
+    for key, value in result.items():
+        print(f"{key:>18}: {value}")
 
 
 if __name__ == "__main__":

@@ -64,8 +64,7 @@ def run(*args):
 
 def parsed(res: subprocess.CompletedProcess) -> dict:
     assert res.returncode == 0, res.stderr[-4000:]
-    out = "\n" + res.stdout  # Ray forwards worker logs to stdout too: the JSON is the last "{" block
-    return json.loads(out[out.rindex("\n{\n") + 1:])
+    return json.loads(res.stdout)  # --json: the document alone, though Ray forwards the workers' logs
 
 
 def tensorboard_tags(folder) -> set:

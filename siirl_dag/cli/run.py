@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
+from siirl_dag.cli.json_stdout import json_stdout
 from siirl_dag.config import load_pipeline
 from siirl_dag.config.overrides import OVERRIDE_FILE
 from siirl_dag.errors import ConfigError, PipelineError, Problem
@@ -34,23 +34,23 @@ def main(args) -> int:
 
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
-    out = sys.stderr if args.json else sys.stdout  # --json: stdout holds only the JSON
+    with json_stdout(args.json) as emit:  # --json: stdout holds only the JSON
 
-    def say(*parts) -> None:
-        from tqdm import tqdm  # (a tenth of a second to import: not for a run refused at its checks)
+        def say(*parts) -> None:
+            from tqdm import tqdm  # (a tenth of a second to import: not for a run refused at its checks)
 
-        tqdm.write(" ".join(map(str, parts)), file=out)  # a line above the training bar, not appended to it
+            tqdm.write(" ".join(map(str, parts)), file=sys.stdout)  # a line above the training bar, not appended to it
 
-    trainer = Trainer(pipe, address=args.address, progress=say)
-    say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
-    try:
-        history = trainer.fit()
-    except PipelineError as exc:
-        print(f"[run] failed: {exc}", file=sys.stderr)
-        return 1
-    before, after = history.get("val_before", {}), history.get("val_last", {})
-    for key in sorted(set(before) | set(after)):
-        say(f"[run] {key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
-    if args.json:
-        print(json.dumps(history, indent=2))
+        trainer = Trainer(pipe, address=args.address, progress=say)
+        say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
+        try:
+            history = trainer.fit()
+        except PipelineError as exc:
+            print(f"[run] failed: {exc}", file=sys.stderr)
+            return 1
+        before, after = history.get("val_before", {}), history.get("val_last", {})
+        for key in sorted(set(before) | set(after)):
+            say(f"[run] {key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
+        if args.json:
+            emit(history)
     return 0

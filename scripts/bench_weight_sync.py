@@ -9,7 +9,8 @@ weights `--repeats` times (the first two, reported apart, are warm-ups: the firs
 loader, the second is the first on the fast path and compiles its copies). Prints, per layout, the median (and best) sync time, the
 bytes exported (every rollout engine gets all of them: with `--gen d2` they move twice), the median ratio of each sync to a single-threaded memcpy of its bytes in this process
 timed just before it (target <= 3x; a shared VM drifts during a run, and both sides of a ratio drift together),
-for separate meshes also two such copies in two processes at once (a floor for their two copies),
+with packed weights also the same tensors copied alone into the rollout's layout (row blocks: the
+floor of a packed sync), for separate meshes two memcpys in two processes at once (a floor for the channel's two copies),
 and the per-stage breakdown: gather (the trainer collecting its shards and stages to one rank),
 convert (into HF's layout: splitting fused q/k/v and gate/up; one walk with the gather), send (the trainer handing buckets over: the object-store write or the broadcast, and
 any wait for a slower consumer), load (vLLM taking the tensors, incl. its CPU repacking, on the rollout
@@ -22,7 +23,6 @@ the object store write straight into the rollout's parameters after the first sy
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
+
+from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 PIPELINE = """\
 name: bench-weight-sync
@@ -81,6 +83,50 @@ class Memcpy:
             torch.set_num_threads(threads)
 
 
+class LayoutCopy:
+    """A packed sync's floor: the model's tensors copied alone, warm, with `threads` (the cores the
+    sync's writer borrows, `weight_sync.cores`), into the layout the rollout computes from: a linear
+    layer's weight (q/k/v and gate/up fused, as vLLM holds them) into its row blocks, a transposition
+    of every block; the embedding into its plain weight too (its lookup reads it); the rest a copy."""
+
+    FUSED = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, model: str, threads: int, engines: int = 1):
+        from safetensors.torch import load_file
+
+        from siirl_dag.strategies.vllm.cpu_compat import row_block_size
+
+        weights, self.threads, self.copies = load_file(Path(model) / "model.safetensors"), threads, []
+        tied = "lm_head.weight" not in weights
+        for name, t in weights.items():
+            module = name.split(".")[-2]
+            if any(module in parts[1:] for parts in self.FUSED.values()) and t.dim() == 2:
+                continue  # copied with the first of its fused parts
+            if module in self.FUSED and t.dim() == 2:
+                t = torch.cat([weights[name.replace(module, part)] for part in self.FUSED[module]])
+            block = row_block_size(*t.shape) if t.dim() == 2 else None
+            embedding = module == "embed_tokens"
+            for _ in range(engines):  # separate meshes: the keeper writes into every rollout engine
+                if block is None or embedding:
+                    self.copies.append((t, torch.empty_like(t), False))
+                if block is not None and (tied or not embedding):
+                    self.copies.append((t, torch.empty(t.shape[0] // block, t.shape[1], block), True))
+        self.best_s()  # compiles the copies into row blocks
+
+    def best_s(self, repeats: int = 3) -> float:
+        from siirl_dag.weight_sync import row_blocks
+        from siirl_dag.weight_sync.cores import borrowed
+
+        best = float("inf")
+        with borrowed(self.threads):
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for src, dst, blocked in self.copies:
+                    row_blocks.copy_into(dst, src) if blocked else dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+
 def _copy_in_lockstep(nbytes: int, barrier, results, repeats: int) -> None:
     results.put(Memcpy(nbytes).best_s(repeats, before=barrier.wait))
 
@@ -110,10 +156,12 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     world = parse_allocation(f"megatron:{args.train}")[0].world_size
     rollout = parse_allocation(f"vllm:{args.gen}")[0] if layout == "separate" else None
     gen = '{alloc: "vllm:d%d", colocate_with: train}' % world if layout == "colocated" else f'"vllm:{args.gen}"'
+    devices = world + (rollout.world_size if rollout else 0)  # a core each: a sync's writer borrows them all
     f = tmp / f"{layout}.yaml"
-    f.write_text(PIPELINE.format(devices=world + (rollout.world_size if rollout else 0), model=model, train=args.train,
+    f.write_text(PIPELINE.format(devices=devices, model=model, train=args.train,
                                  gen=gen, bucket_mb=args.bucket_mb, packed=str(not args.plain_weights).lower()))
-    runs, copies = [], []
+    runs, copies, floors = [], [], []
+    floor = None if args.plain_weights else LayoutCopy(model, devices, rollout.dp if rollout else 1)
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         sync = WeightSync(rt, direct=not args.channel_only)
         # the first sync pays one-time costs (first object-store use, imports, recording the loader), the
@@ -125,6 +173,8 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
         memcpy = Memcpy(nbytes)
         for version in range(3, args.repeats + 1):
             copies.append(memcpy.best_s())
+            if floor:
+                floors.append(floor.best_s())
             runs.append(sync("actor_update", "rollout", version, transport=args.transport))
     runs, copies = (runs, copies) if runs else (warmups[-1:], [memcpy.best_s()])
     times = [r["timing_s/sync_weights"] for r in runs]
@@ -137,6 +187,10 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
            "bytes": nbytes, "buckets": warmup.get("sync/buckets"), "sync_s": round(total, 4), "sync_min_s": round(min(times), 4),
            "memcpy_s": round(copy, 4), "ratio_to_memcpy": round(ratio, 2), "target_ratio": 3.0,
            "sync_GBps": round(nbytes / total / 1e9, 3), "first_syncs_s": [round(w["timing_s/sync_weights"], 3) for w in warmups]}
+    if floors:
+        out["layout_copy_s"] = round(statistics.median(floors), 4)
+        out["layout_copy_ratio"] = round(statistics.median(f / c for f, c in zip(floors, copies)), 2)
+        out["layout_copy_threads"] = devices
     if layout == "separate":
         out["concurrent_memcpy_s"] = round(concurrent_memcpy_s(nbytes), 4)
     out["stages_s"] = {k.removeprefix("sync/").removesuffix("_s"): round(statistics.median(r[k] for r in runs), 4)
@@ -163,17 +217,16 @@ def main() -> None:
     args = ap.parse_args()
     from make_tiny_model import make_tiny_model
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with json_stdout(args.json) as emit, tempfile.TemporaryDirectory() as tmp:
         heads = args.hidden // 64
         model = make_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
                                 num_heads=heads, num_kv_heads=max(1, heads // 4), intermediate_size=args.hidden * 3)
         results = [run_layout(model, layout, args, Path(tmp)) for layout in args.layouts.split(",")]
-    params = results[0]["bytes"] // 4  # fp32
-    report = {"model": {"hidden": args.hidden, "layers": args.layers, "params": params}, "bucket_mb": args.bucket_mb,
-              "cpu_packed_weights": not args.plain_weights, "results": results}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
+        params = results[0]["bytes"] // 4  # fp32
+        if args.json:
+            emit({"model": {"hidden": args.hidden, "layers": args.layers, "params": params}, "bucket_mb": args.bucket_mb,
+                  "cpu_packed_weights": not args.plain_weights, "results": results})
+            return
     print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M params (fp32); "
           f"buckets of {args.bucket_mb} MB; vLLM weights {'plain' if args.plain_weights else 'packed'} on CPU")
     for r in results:
@@ -185,6 +238,10 @@ def main() -> None:
               f"(median; best {1000 * r['sync_min_s']:.0f}) = "
               f"{r['ratio_to_memcpy']:.1f}x memcpy ({1000 * r['memcpy_s']:.0f} ms; target <= 3x); stages ms: {stages}")
         print(f"{'':>11}first syncs (warm-ups): " + ", ".join(f"{1000 * t:.0f} ms" for t in r["first_syncs_s"]))
+        if "layout_copy_s" in r:
+            print(f"{'':>11}the same tensors copied alone into the rollout's packed layout{into}, on "
+                  f"{r['layout_copy_threads']} core(s): {1000 * r['layout_copy_s']:.0f} ms = {r['layout_copy_ratio']:.1f}x "
+                  "memcpy (the floor of a packed sync here)")
         if "concurrent_memcpy_s" in r:
             print(f"{'':>11}two processes copying as much at once: {1000 * r['concurrent_memcpy_s']:.0f} ms each "
                   "(the trainer's copy in and the rollout's copy out overlap at best this fast here)")

@@ -170,6 +170,12 @@ def _row_block_layout(n: int, k: int) -> _Layout | None:
     return None
 
 
+def row_block_size(n: int, k: int) -> int | None:
+    """Rows per block of the layout an [n, k] fp32 layer computes from here; None if not row blocks."""
+    layout = _row_block_layout(n, k)
+    return layout.block if layout else None
+
+
 def _onednn_memory(packed: torch.Tensor) -> torch.Tensor:
     """A packed (opaque) oneDNN tensor's fp32 memory as a flat torch view, no copy."""
     address, count = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed) // 4

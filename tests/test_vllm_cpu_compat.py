@@ -65,8 +65,9 @@ def test_packed_fp32_weights_are_row_blocks_that_a_sync_writes_like_a_plain_weig
         utils.dispatch_cpu_unquantized_gemm(embedding, remove_weight=True)
         utils.dispatch_cpu_unquantized_gemm(head, remove_weight=True)
     assert head.row_blocks is embedding.row_blocks, "one weight, one packed copy: a write reaches both layers"
-    assert cpu_compat.blocked_weights(module) == [(module.weight, module.row_blocks, False)]
-    assert cpu_compat.blocked_weights(embedding) == [(embedding.weight, embedding.row_blocks, True)], \
+    block = module.row_blocks.shape[2]
+    assert cpu_compat.blocked_weights(module) == [(module.weight, module.row_blocks, block, False)]
+    assert cpu_compat.blocked_weights(embedding) == [(embedding.weight, embedding.row_blocks, block, True)], \
         "the LM head computes from row blocks too, and its lookup reads the plain weight"
     x = torch.randn(5, 32)
     compiled = torch.compile(lambda x: module.cpu_linear(x, module.weight, None) + 1)
@@ -82,3 +83,14 @@ def test_packed_fp32_weights_are_row_blocks_that_a_sync_writes_like_a_plain_weig
             cpu_compat._repack([module], blocks_written=True)
         torch.testing.assert_close(module.cpu_linear(x, module.weight, None), torch.nn.functional.linear(x, new))
         torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, new) + 1)
+
+
+def test_the_cpu_moe_kernels_fp32_layout_is_learnt_as_row_blocks():
+    """A weight sync writes MoE experts in the kernel's own layout (`weight_sync.direct`), as learnt here."""
+    from vllm import _custom_ops
+
+    experts = torch.randn(3, 64, 32)
+    block = cpu_compat._prepacked_block(64, 32, "vec")  # the portable ISA (vLLM picks amx where there is one)
+    assert block is not None
+    assert torch.equal(_custom_ops.cpu_prepack_moe_weight(experts, "vec").view(3, 64 // block, 32, block),
+                       experts.view(3, 64 // block, block, 32).transpose(2, 3))

@@ -105,7 +105,7 @@ class RowBlockedModel(torch.nn.Module):
 def test_copies_into_a_packed_weight_are_replayed_into_its_row_blocks_whatever_rows_they_cover(read):
     """`read`: the plain weight is read too (an embedding's lookup), so it is written as well."""
     model = RowBlockedModel()
-    recorder = Recorder(Segment(model.parameters(), [(model.weight, model.blocks, read)]))
+    recorder = Recorder(Segment(model.parameters(), [(model.weight, model.blocks, 4, read)]))
     first = {"q": torch.randn(6, 3), "k": torch.randn(6, 3)}
     with recorder:
         model.load(recorder.track(first.items()))
@@ -118,6 +118,31 @@ def test_copies_into_a_packed_weight_are_replayed_into_its_row_blocks_whatever_r
     torch.testing.assert_close(model.blocks.data, blocked(torch.cat([new["q"], new["k"]]), 4), rtol=0, atol=0)
     plain = new if read else first  # a linear layer's plain weight is no longer written: nothing reads it
     torch.testing.assert_close(model.weight.data, torch.cat([plain["q"], plain["k"]]), rtol=0, atol=0)
+
+
+class ExpertsModel(torch.nn.Module):
+    """Two experts of 8 rows in one parameter that holds its own row blocks of 4 rows (vLLM's CPU MoE
+    kernel's layout, which it packs in place after a load of plain experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.Parameter(torch.zeros(2, 8, 3), requires_grad=False)
+
+    def load(self, named):
+        with torch.no_grad():
+            for name, t in named:
+                self.experts.data[int(name)].copy_(t)
+
+
+def test_a_weight_that_holds_its_own_row_blocks_gets_them_written_directly():
+    model = ExpertsModel()
+    recorder = Recorder(Segment(model.parameters(), [(model.experts, model.experts, 4, False)]))
+    with recorder:
+        model.load(recorder.track({"0": torch.randn(8, 3), "1": torch.randn(8, 3)}.items()))
+    targets = Targets([recorder.plan()])
+    new = {"0": torch.randn(8, 3), "1": torch.randn(3, 8).t()}
+    targets.write(new.items())
+    torch.testing.assert_close(model.experts.data.view(4, 3, 4), blocked(torch.cat([new["0"], new["1"]]), 4), rtol=0, atol=0)
 
 
 def test_row_blocks_are_written_the_same_compiled_or_not(capfd):

@@ -14,8 +14,8 @@ rollout engine (each shards them for its own TP), stamped with the trainer's ver
   sync through the channel, the trainer's rank 0 writes straight into the rollout's parameters,
   shared with it (`direct`): one copy per tensor instead of two.
 - A sync runs between steps, while the other ranks wait: on CPU the trainer's writes and each
-  rollout rank's finish (re-packs) borrow their machine's cores (`cores`). CPU linear layers compute
-  from packed row blocks that a sync writes in place (`row_blocks`).
+  rollout rank's finish (re-packs) borrow their machine's cores (`cores`). CPU linear layers and
+  MoE experts compute from packed row blocks that a sync writes in place (`row_blocks`).
 
 The rollout refuses to generate with weights older than the trainer's version minus
 runtime.staleness (`NodeContext.check_weights_version`), and after a load that failed part-way at

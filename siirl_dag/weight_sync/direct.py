@@ -16,7 +16,8 @@ How:
 - A parameter the rollout computes from through a packed copy in row blocks (`row_blocks`; its CPU
   linear layers) is shared with that copy: its recorded copies are replayed into the copy instead,
   rearranged on the way, so nothing is left to re-pack (its plain weight is then no longer read;
-  an embedding's still is, by its lookup, so its copies go to both).
+  an embedding's still is, by its lookup, so its copies go to both). A parameter packed in place
+  (vLLM's CPU MoE experts) holds its own row blocks: its copies are rearranged within it.
 A loader that does anything else to a parameter (a cast, a transpose, arithmetic) makes no plan,
 and that pair keeps the channel.
 
@@ -75,11 +76,13 @@ class Plan:
 
 class Segment:
     """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`).
-    `blocked`: (weight, its row blocks, whether the weight is read too) among them: copies into the
-    weight go into its row blocks, and only if it is read into the weight as well."""
+    `blocked`: (weight, the parameter that holds its row blocks, rows per block, whether the weight
+    is read too) among them: copies into the weight (its rows being its last dim's) go into its row
+    blocks, and only if it is read into the weight as well. A weight packed in place (vLLM's CPU MoE
+    experts) holds its own blocks: the loader writes it plain, the packing follows (see `cpu_compat`)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
-                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter, bool]] = ()):
+                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]] = ()):
         params = list({id(p): p for p in params}.values())
         if not params or any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
             raise ValueError("direct writes need contiguous CPU parameters")
@@ -105,7 +108,7 @@ class Segment:
         self.pointer = self.memory.untyped_storage().data_ptr()
         # (first byte, end, columns, rows per block, the blocks' first element, read) per blocked weight
         self._blocked = [(w.storage_offset() * w.element_size(), (w.storage_offset() + w.numel()) * w.element_size(),
-                          w.shape[1], b.shape[2], b.storage_offset(), read) for w, b, read in blocked]
+                          w.shape[-1], block, b.storage_offset(), read) for w, b, block, read in blocked]
 
     def into_row_blocks(self, dst: torch.Tensor) -> tuple[list[tuple[int, int, int, tuple, tuple]], bool] | None:
         """If `dst` lies in a blocked weight: where a copy into it goes in the weight's row blocks,

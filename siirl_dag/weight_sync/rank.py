@@ -227,7 +227,7 @@ class RankSync:
         segment = self.segments[engine_key]
         if any(p.untyped_storage().data_ptr() != segment.pointer for p in self.engines[engine_key].weight_parameters()):
             recorder.problem = ("the engine replaced parameters after loading (vLLM's CPU MoE kernel re-packs "
-                                "its experts into new ones), so writes would not reach them")
+                                "experts it pads into new ones), so writes would not reach them")
         plan = recorder.plan()
         if plan is None:
             self.segments.pop(engine_key).unlink()

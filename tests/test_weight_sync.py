@@ -1,5 +1,5 @@
 """Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train
-one step, the new weights stream into vLLM engines on a separate mesh (object store, or a gloo
+one step, the new weights stream into vLLM engines on a separate mesh (TP2 for the MoE model; object store, or a gloo
 process group) and on the trainer's own ranks (in-process handoff), and vLLM's log-probs of what it
 samples then equal Megatron's; a later step's weights go straight into vLLM's parameters (direct
 writes). Plus the pieces alone: buckets, the shared-memory channel between two
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from siirl_dag.config import load_pipeline
+from siirl_dag.placement.allocation import parse_allocation
 from siirl_dag.runtime import Batch, PipelineError, Runtime
 from siirl_dag.weight_sync import WeightSync
 from siirl_dag.weight_sync.buckets import Buckets, from_wire, to_wire
@@ -27,7 +28,7 @@ models: {{policy: {{path: {model}, dtype: float32}}}}
 data: {{train_files: unused.parquet, train_batch_size: 4, max_prompt_length: 16, max_response_length: 8}}
 meshes:
   train: "megatron:{train}"
-  gen: "vllm:d1"
+  gen: "vllm:{gen}"
   colo: {{alloc: "vllm:d{world}", colocate_with: train}}
 nodes:
   - {{id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: actor_update, options: {rollout}}}
@@ -45,12 +46,13 @@ ROLLOUT = ("{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_mode
            "load_format: dummy}")
 TRAIN_STEP = ["rollout", "reward", "advantage", "old_logprob", "actor_update"]
 LOGPROB_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
-# trainer layout -> (allocation, its world size, MoE model, transport between the separate meshes)
+# trainer layout -> (allocation, its world size, MoE model, transport between the separate meshes, the
+# separate rollout's allocation: the MoE one shards its experts over two TP ranks)
 LAYOUTS = {
-    "tp1": ("d1", 1, False, "object_store"),
-    "tp2": ("t2", 2, False, "collective"),
-    "pp2": ("p2", 2, False, "object_store"),
-    "ep2": ("d2e2", 2, True, "collective"),
+    "tp1": ("d1", 1, False, "object_store", "d1"),
+    "tp2": ("t2", 2, False, "collective", "d1"),
+    "pp2": ("p2", 2, False, "object_store", "d1"),
+    "ep2": ("d2e2", 2, True, "collective", "t2"),
 }
 
 
@@ -91,10 +93,11 @@ def assert_same_logprobs(batch: Batch) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_model_dir, moe_model_dir, layout):
-    train, world, moe, transport = LAYOUTS[layout]
+    train, world, moe, transport, gen = LAYOUTS[layout]
     f = tmp_path / "p.yaml"
-    f.write_text(PIPELINE.format(devices=world + 1, model=moe_model_dir if moe else tiny_model_dir, train=train,
-                                 world=world, rollout=ROLLOUT))
+    devices = world + parse_allocation(f"vllm:{gen}")[0].world_size
+    f.write_text(PIPELINE.format(devices=devices, model=moe_model_dir if moe else tiny_model_dir, train=train,
+                                 world=world, gen=gen, rollout=ROLLOUT))
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),
                           LOGPROB_INPUTS + ["rollout_logprobs", "old_logprobs"])

@@ -1,9 +1,9 @@
 """Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train
-one step, the new weights stream into vLLM engines on a separate mesh (TP2 for the MoE model; object store, or a gloo
-process group) and on the trainer's own ranks (in-process handoff), and vLLM's log-probs of what it
-samples then equal Megatron's; a later step's weights go straight into vLLM's parameters (direct
-writes). Plus the pieces alone: buckets, the shared-memory channel between two
-Ray actors, and the driver's protocol in one process."""
+one step, the new weights stream into vLLM engines on a separate mesh (TP2 for the MoE model: its
+experts sharded; object store, or a gloo process group) and on the trainer's own ranks (in-process
+handoff), and vLLM's log-probs of what it samples then equal Megatron's; a later step's weights go
+straight into vLLM's parameters (direct writes). Plus the pieces alone: buckets, the shared-memory
+channel between two Ray actors, and the driver's protocol in one process."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--experts 0] [--bucket-mb 32]
         [--train d1] [--gen d1] [--transport object_store|collective] [--repeats 6] [--plain-weights] [--channel-only]
 
-Builds a random Qwen2-style model (fp32), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
+Builds a random Qwen2-style model (fp32; Qwen3-MoE with --experts), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
 twice, with the rollout colocated on the trainer's rank and on a mesh of its own, and syncs the
 weights `--repeats` times (the first two, reported apart, are warm-ups: the first sync records the rollout's
 loader, the second is the first on the fast path and compiles its copies). Prints, per layout, the median (and best) sync time, the
@@ -161,7 +161,7 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     f.write_text(PIPELINE.format(devices=devices, model=model, train=args.train,
                                  gen=gen, bucket_mb=args.bucket_mb, packed=str(not args.plain_weights).lower()))
     runs, copies, floors = [], [], []
-    # (an MoE model's experts are prepacked by vLLM's own kernel, which the floor does not model)
+    # a dense model's only: an MoE model's experts go into the CPU MoE kernel's row blocks, not modelled here
     floor = None if args.plain_weights or args.experts else LayoutCopy(model, devices, rollout.dp if rollout else 1)
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         sync = WeightSync(rt, direct=not args.channel_only)

@@ -1,6 +1,7 @@
 """Parquet prompt data: schema checks at load, and a seeded loader that resumes exactly."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -139,6 +140,27 @@ def test_measured_rows_are_kept_for_later_runs(tmp_path, monkeypatch):
     assert row_cache.measured(whole, {"v": 2}, measure, "lengths") and len(asked) == 3
     assert row_cache.measured(whole, None, measure, "lengths") and len(asked) == 4  # None: this process only
     assert len(list((tmp_path / "cache").glob("*.npy"))) == 3
+
+
+def test_a_rewrite_that_keeps_size_and_times_is_measured_again(tmp_path, monkeypatch):
+    """A data file regenerated at the same size and given back its old times (as `cp -p` or `rsync -t`
+    would) must not read the old file's numbers."""
+    monkeypatch.setenv("SIIRL_DAG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(row_cache, "_MEMORY", {})
+    path = tmp_path / "train.parquet"
+
+    def rewrite(*prompts):
+        write(path, prompt=list(prompts), data_source=["demo/arith"] * 2,
+              reward_model=[{"style": "rule", "ground_truth": "1"}] * 2, extra_info=[{"split": "train"}] * 2)
+
+    rewrite("aaaa", "bb")
+    before = path.stat()
+    assert row_cache.measured(PromptDataset([str(path)], "prompt"), {}, lambda rows: [len(r["raw_prompt"]) for r in rows], "lengths") == [4, 2]
+    time.sleep(0.01)  # a change time the clock can tell apart
+    rewrite("bb", "aaaa")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert row_cache.measured(PromptDataset([str(path)], "prompt"), {}, lambda rows: [len(r["raw_prompt"]) for r in rows], "lengths") == [2, 4]
 
 
 def test_the_row_cache_keeps_the_entries_used_last(tmp_path, monkeypatch):

@@ -2,8 +2,8 @@
 next run. Counting tokens needs the model's tokenizer, whose import alone takes seconds, and a large
 data set takes minutes more; a restart on the same files and tokenizer needs neither.
 
-An entry is keyed by everything its numbers depend on: the data files (path, size, modification
-time), the prompt column, and what the caller puts in `what` (its tokenizer's files, a template
+An entry is keyed by everything its numbers depend on: the data files (path, and the stat fields a
+write changes, `_stamp`), the prompt column, and what the caller puts in `what` (its tokenizer's files, a template
 flag, library versions). A changed file makes a new key; an entry that does not read back is
 measured again. The folder: $SIIRL_DAG_CACHE, else $XDG_CACHE_HOME/siirl_dag, else ~/.cache/siirl_dag;
 it keeps the KEEP entries used last (a read or a write marks an entry used).
@@ -38,17 +38,21 @@ def cache_dir() -> Path:
 
 
 def folder_identity(path: str) -> list | None:
-    """(name, size, modification time) of each file at the top of a local folder; None when `path`
-    is not one (a hub id: nothing on disk says when it changed)."""
+    """(name, `_stamp`) of each file at the top of a local folder; None when `path` is not one (a hub
+    id: nothing on disk says when it changed)."""
     if not os.path.isdir(path):
         return None
     return sorted([e.name, *_stamp(e)] for e in os.scandir(path) if e.is_file())
 
 
 def _stamp(path: str | os.DirEntry) -> list[int]:
-    """Size and modification time: what changes when a file is written again."""
+    """What changes when a file is written again. Size and modification time alone do not: a file
+    regenerated at the same size and copied back with its times (`cp -p`, `rsync -t`, `touch -r`)
+    keeps both. The inode and the change time, which no user can set, do change (a rewrite in place
+    sets the change time, a replacement makes a new inode); a change of owner or mode costs a
+    measurement, never a stale one."""
     st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns]
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
 def measured(data: PromptDataset, what: dict | None, measure: Callable[[list[dict]], list[int]], label: str) -> list[int]:

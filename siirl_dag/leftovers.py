@@ -1,22 +1,56 @@
-"""/dev/shm housekeeping: files named after the process that made them outlive it when it ends
-without removing them (killed, or a destructor that never ran), and hold memory until the machine
-restarts."""
+"""Files that outlive the process that made them: left when it ends without removing them (killed,
+or a destructor that never ran). In /dev/shm they hold memory until the machine restarts; elsewhere
+(sockets in the temp folder) they pile up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 from contextlib import suppress
+from typing import Callable, Iterator
 
 SHM_DIR = "/dev/shm"
 
 
-def sweep_dead(pattern: str) -> None:
-    """Remove the files of SHM_DIR whose whole name matches `pattern`, whose first group is the pid of
-    the process that made the file, when no process of that pid runs (a reused pid keeps its file)."""
+def sweep_dead(pattern: str, folder: str = SHM_DIR) -> None:
+    """Remove the entries (files, or folders with what they hold) of `folder` whose whole name matches
+    `pattern`, whose first group is the pid of the process that made the entry, when no process of
+    that pid runs (a reused pid keeps its entry)."""
     with suppress(OSError):
-        for name in os.listdir(SHM_DIR):
+        for name in os.listdir(folder):
             match = re.fullmatch(pattern, name)
             if match and not os.path.exists(f"/proc/{match.group(1)}"):
-                with suppress(OSError):
-                    os.unlink(os.path.join(SHM_DIR, name))
+                path = os.path.join(folder, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with suppress(OSError):
+                        os.unlink(path)
+
+
+@contextlib.contextmanager
+def created(folder: str, found: list[str], keep: Callable[[str], bool] = lambda name: True) -> Iterator[None]:
+    """Record into `found` the paths of the entries of `folder` made meanwhile whose names `keep`
+    accepts (a library that leaves them behind, for `remove` once it is done)."""
+    before = _names(folder)
+    try:
+        yield
+    finally:
+        found.extend(os.path.join(folder, name) for name in sorted(_names(folder) - before) if keep(name))
+
+
+def remove(paths: list[str]) -> None:
+    """Unlink `paths` (those already gone too) and forget them."""
+    for path in paths:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+    paths.clear()
+
+
+def _names(folder: str) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -222,7 +223,6 @@ def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine,
 def test_a_load_finishes_with_the_cores_the_sync_lends_it(vllm_engine, tiny_model_dir, monkeypatch):
     """The re-pack after a load (streamed or written in place) runs on the cores it is given, no
     more than the process may use, and the engine's thread count comes back after."""
-    import os
 
     from siirl_dag.strategies.vllm import cpu_compat
 
@@ -272,7 +272,11 @@ def _rank_main(rank, world, sizes, model_dir, update_path, options, direct_path=
         Targets([plan]).write(load_file(direct_path).items())
         sync.written("r", 2)
         outs += (engine.generate(PROMPTS, {"greedy": True}, P, R),)
+    sockets = [path for path in engine._left if os.path.dirname(path) == engine._sockets]
     engine.close()
+    # vLLM binds a TP group's message-queue sockets as files on the group's first rank, and never removes them
+    assert bool(sockets) == (sizes["tp"] > 1 and rank % sizes["tp"] == 0), sockets
+    assert not any(map(os.path.exists, sockets)) and not os.path.exists(engine._sockets)
     return outs
 
 

@@ -255,7 +255,7 @@ def channel_sync(trainer_engine, *rollout_engines, syncs: int = 1):
 def leftovers(*names: str):
     """Files in /dev/shm named `name.format(pid=...)`, for a process that has ended and for a live
     one (this test's parent); yields (the dead one's, the live one's) paths, removed after."""
-    from siirl_dag.weight_sync.shm import SHM_DIR
+    from siirl_dag.leftovers import SHM_DIR
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()

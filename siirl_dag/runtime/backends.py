@@ -187,5 +187,9 @@ class RayBackend:
                 pass
         self.actors, self.groups = [], []
         if self.started_ray:
+            from siirl_dag.leftovers import sweep_dead
+            from siirl_dag.weight_sync.channel import RAY_SEMAPHORES
+
             ray.shutdown()
             self.started_ray = False
+            sweep_dead(RAY_SEMAPHORES)  # the weight-sync channels' (see there), named after the raylet just stopped

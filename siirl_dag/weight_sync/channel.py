@@ -25,7 +25,7 @@ channels reach readers on the writer's machine only; other clusters sync over a 
 Each buffer has two named semaphores, files in /dev/shm named after the raylet that made them,
 which Ray unlinks only in destructors that a stopped session does not always run: a run of
 bench_weight_sync.py left 20 behind, and 3,000 had piled up here. So a new channel first removes
-those whose raylet is gone.
+those whose raylet is gone, and so does the Ray backend once it has stopped the Ray it started.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from siirl_dag.weight_sync.buckets import from_wire, nbytes, to_wire
-from siirl_dag.weight_sync.shm import sweep_dead
+from siirl_dag.leftovers import sweep_dead
 
 SLOTS = 2
 POLL_S = 0.001

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from siirl_dag.weight_sync import row_blocks
 from siirl_dag.weight_sync.buckets import Named, nbytes
-from siirl_dag.weight_sync.shm import SHM_DIR, sweep_dead
+from siirl_dag.leftovers import SHM_DIR, sweep_dead
 
 _PREFIX = "siirl-weights-"
 _ALIGN = 64

@@ -60,9 +60,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from siirl_dag import leftovers
+from siirl_dag.leftovers import SHM_DIR
 from siirl_dag.weight_sync import row_blocks
 from siirl_dag.weight_sync.cores import borrowed as cores_borrowed
-from siirl_dag.weight_sync.shm import SHM_DIR
 
 GIB = 1 << 30
 _BATCH_HINT = 32  # rows per matmul oneDNN packs for (vLLM's choice too)
@@ -377,24 +378,12 @@ def keep_torch_threads() -> Iterator[None]:
         torch.set_num_threads(num_threads)
 
 
-def _shm_files() -> set[str]:
-    return set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
-
-
 @contextlib.contextmanager
 def track_shm(group_ranks: list[int], found: list[str]) -> Iterator[None]:
     """Record into `found` the TP shared-memory files created meanwhile for this group of ranks."""
-    before = _shm_files() if active() else set()
-    try:
+    if not active():
         yield
-    finally:
-        if active():
-            marker = "[" + "-".join(map(str, group_ranks)) + "]"
-            found.extend(sorted(n for n in _shm_files() - before if "cpushm" in n and marker in n))
-
-
-def release_shm(names: list[str]) -> None:
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
-    names.clear()
+        return
+    marker = "[" + "-".join(map(str, group_ranks)) + "]"
+    with leftovers.created(SHM_DIR, found, lambda name: "cpushm" in name and marker in name):
+        yield

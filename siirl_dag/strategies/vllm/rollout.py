@@ -11,9 +11,11 @@ shards the model t ways. Without a process group (a script, a test) the engine i
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
+import tempfile
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from siirl_dag import leftovers
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
@@ -28,6 +31,7 @@ from siirl_dag.strategies.vllm.layout import Sample, pack_batch, prompt_token_id
 from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
 
 log = logging.getLogger(__name__)
+_RPC_FOLDER = "siirl-vllm-rpc-"  # + pid: see `_rpc_folder`
 # vLLM says this at INFO whenever the prefix cache is reset, which a weight update does every step
 logging.getLogger("vllm.v1.core.block_pool").addFilter(lambda r: r.getMessage() != "Successfully reset prefix cache")
 
@@ -64,6 +68,23 @@ def tensor_parallel_size(ctx: RankContext, options: dict[str, Any]) -> int:
     return tp
 
 
+@functools.cache
+def _rpc_base() -> str:
+    return os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+
+
+def _rpc_folder() -> str:
+    """This process's folder for vLLM's sockets. A TP group's message queue binds two ZMQ sockets as
+    files in VLLM_RPC_BASE_PATH (the temp folder), which nothing removes, not even a clean shutdown:
+    every TP engine left two, a test run eight. An engine removes the files its start made, and
+    the folder if no other engine of the process uses it (`close`); a killed process's folder goes
+    at the next start of an engine on its machine."""
+    leftovers.sweep_dead(rf"{_RPC_FOLDER}(\d+)", _rpc_base())
+    path = os.path.join(_rpc_base(), f"{_RPC_FOLDER}{os.getpid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 @contextlib.contextmanager
 def host_rng_kept() -> Iterator[None]:
     """vLLM seeds the global RNGs of the process it starts in; give the host its own state back."""
@@ -88,7 +109,8 @@ class VllmRollout(Strategy):
         # True while the engine holds no real weights: load_format "dummy", or after a level-2 sleep
         self._needs_weights = self.options["load_format"] == "dummy"
         self._logged_offload_noop = False
-        self._shm: list[str] = []  # TP shared-memory files of this engine (CPU), removed at close
+        self._left: list[str] = []  # files of this engine vLLM leaves behind (sockets; TP shared memory on CPU)
+        self._sockets = _rpc_folder()
         self.llm = self._start_engine(model_path(model))
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
@@ -125,8 +147,10 @@ class VllmRollout(Strategy):
             cpu_compat.compile_cache()
         start = time.perf_counter()
         first = self.ctx.rank // self.tp * self.tp
-        shm_files = cpu_compat.track_shm(list(range(first, first + self.tp)), self._shm)
-        with host_rng_kept(), cpu_compat.keep_torch_threads(), shm_files, cpu_compat.linear_packing(opts["cpu_packed_weights"]):
+        os.environ["VLLM_RPC_BASE_PATH"] = self._sockets  # the same for every engine of a process: vLLM caches it
+        with host_rng_kept(), cpu_compat.keep_torch_threads(), leftovers.created(self._sockets, self._left), \
+                cpu_compat.track_shm(list(range(first, first + self.tp)), self._left), \
+                cpu_compat.linear_packing(opts["cpu_packed_weights"]):
             llm = LLM(**kwargs)
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm
@@ -255,4 +279,6 @@ class VllmRollout(Strategy):
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-        cpu_compat.release_shm(self._shm)
+        leftovers.remove(self._left)
+        with contextlib.suppress(OSError):  # another engine of this process may still use it
+            os.rmdir(self._sockets)

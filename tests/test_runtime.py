@@ -28,13 +28,11 @@ runtime: {backend: ray, cpus_per_rank: 0.25}
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    import ray
-
-    from siirl_dag.runtime.backends import init_ray
+    from siirl_dag.runtime.backends import init_ray, stop_ray
 
     init_ray(num_cpus=4)
     yield
-    ray.shutdown()
+    stop_ray()
 
 
 @pytest.fixture(autouse=True)

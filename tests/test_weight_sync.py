@@ -58,13 +58,11 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    import ray
-
-    from siirl_dag.runtime.backends import init_ray
+    from siirl_dag.runtime.backends import init_ray, stop_ray
 
     init_ray(num_cpus=4)
     yield
-    ray.shutdown()
+    stop_ray()
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +274,27 @@ def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
         [(sent, received)], _, _ = channel_sync(ExportingEngine(3), RecordingEngine())
         assert received["sync/load_s"] > 0
         assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
+
+
+def test_stopping_ray_removes_the_semaphores_named_after_its_raylet():
+    """The Ray backend stops the Ray it started with `stop_ray`: its raylet is gone by then, so what
+    its channels left is swept at once, not at the next run's first channel."""
+    import ray
+
+    from siirl_dag.leftovers import SHM_DIR
+    from siirl_dag.runtime.backends import stop_ray
+
+    [raylet] = ray._private.worker._global_node.all_processes["raylet"]
+    left = [os.path.join(SHM_DIR, f"sem.{kind}{raylet.process.pid}-1795323247401977351") for kind in ("obj", "hdr")]
+    for path in left:
+        open(path, "wb").close()
+    try:
+        stop_ray()
+        assert not any(map(os.path.exists, left))
+    finally:
+        for path in left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_references():

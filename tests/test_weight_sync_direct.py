@@ -236,13 +236,11 @@ class Rollout:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    import ray
-
-    from siirl_dag.runtime.backends import init_ray
+    from siirl_dag.runtime.backends import init_ray, stop_ray
 
     init_ray(num_cpus=2)
     yield
-    ray.shutdown()
+    stop_ray()
 
 
 def _install(worker, key, engine):

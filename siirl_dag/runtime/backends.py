@@ -101,6 +101,18 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     ray.init(**kwargs)
 
 
+def stop_ray() -> None:
+    """Stop the Ray this process started, and remove the semaphores its weight-sync channels left in
+    /dev/shm (named after its raylet, now gone: see `weight_sync.channel`)."""
+    import ray
+
+    from siirl_dag.leftovers import sweep_dead
+    from siirl_dag.weight_sync.channel import RAY_SEMAPHORES
+
+    ray.shutdown()
+    sweep_dead(RAY_SEMAPHORES)
+
+
 class RayBackend:
     """One Ray actor per rank, placed with one STRICT_PACK placement group per machine."""
 
@@ -187,9 +199,5 @@ class RayBackend:
                 pass
         self.actors, self.groups = [], []
         if self.started_ray:
-            from siirl_dag.leftovers import sweep_dead
-            from siirl_dag.weight_sync.channel import RAY_SEMAPHORES
-
-            ray.shutdown()
+            stop_ray()
             self.started_ray = False
-            sweep_dead(RAY_SEMAPHORES)  # the weight-sync channels' (see there), named after the raylet just stopped

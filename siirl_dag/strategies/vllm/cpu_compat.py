@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -364,12 +365,19 @@ def _repack_experts(layer: torch.nn.Module, experts: Any) -> None:
             weight.copy_(_custom_ops.cpu_prepack_moe_weight(weight, experts.isa))
 
 
+def _not_the_stub_warning(record: logging.LogRecord) -> bool:
+    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def keep_torch_threads() -> Iterator[None]:
-    """Undo the CPU worker's process-wide `torch.set_num_threads` stub and thread-count change."""
+    """Undo the CPU worker's process-wide `torch.set_num_threads` stub and thread-count change. While
+    the engine starts, the stub warns at each of vLLM's own calls (four per engine); in process there
+    is no binding for it to protect (see the module doc), so its warning is filtered out."""
     if not active():
         yield
         return
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_not_the_stub_warning)
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield

@@ -3,9 +3,9 @@ next run. Counting tokens needs the model's tokenizer, whose import alone takes 
 data set takes minutes more; a restart on the same files and tokenizer needs neither.
 
 An entry is keyed by everything its numbers depend on: the data files (path, and the stat fields a
-write changes, `_stamp`), the prompt column, and what the caller puts in `what` (its tokenizer's files, a template
-flag, library versions). A changed file makes a new key; an entry that does not read back is
-measured again. The folder: $SIIRL_DAG_CACHE, else $XDG_CACHE_HOME/siirl_dag, else ~/.cache/siirl_dag;
+write changes, `_stamp`), the prompt column, and what the caller puts in `what` (its tokenizer's
+files, a template flag, library versions). A changed file makes a new key; an entry that does not
+read back is measured again. The folder: $SIIRL_DAG_CACHE, else $XDG_CACHE_HOME/siirl_dag, else ~/.cache/siirl_dag;
 it keeps the KEEP entries used last (a read or a write marks an entry used).
 """
 

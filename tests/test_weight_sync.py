@@ -7,10 +7,7 @@ channel between two Ray actors, and the driver's protocol in one process."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -249,58 +246,14 @@ def channel_sync(trainer_engine, *rollout_engines, syncs: int = 1):
     return results, ray.get(keeper.engine.remote()), *ray.get([r.engine.remote() for r in readers])
 
 
-@contextlib.contextmanager
-def leftovers(*names: str):
-    """Files in /dev/shm named `name.format(pid=...)`, for a process that has ended and for a live
-    one (this test's parent); yields (the dead one's, the live one's) paths, removed after."""
-    from siirl_dag.leftovers import SHM_DIR
-
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    paths = [[os.path.join(SHM_DIR, name.format(pid=pid)) for name in names] for pid in (dead, os.getppid())]
-    for path in paths[0] + paths[1]:
-        open(path, "wb").close()
-    try:
-        yield paths
-    finally:
-        for path in paths[0] + paths[1]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
 def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
     """Ray names a channel buffer's two semaphores after its raylet and does not always unlink them."""
-    with leftovers("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
+    from test_leftovers import planted
+
+    with planted("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
         [(sent, received)], _, _ = channel_sync(ExportingEngine(3), RecordingEngine())
         assert received["sync/load_s"] > 0
         assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
-
-
-STOP_RAY = """
-import os, ray
-from siirl_dag.leftovers import SHM_DIR
-from siirl_dag.runtime.backends import init_ray, stop_ray
-init_ray(num_cpus=1)
-[raylet] = ray._private.worker._global_node.all_processes["raylet"]
-left = [os.path.join(SHM_DIR, f"sem.{kind}{raylet.process.pid}-1795323247401977351") for kind in ("obj", "hdr")]
-for path in left:
-    open(path, "wb").close()
-stop_ray()
-print(sum(map(os.path.exists, left)))
-for path in left:
-    if os.path.exists(path):
-        os.unlink(path)
-"""
-
-
-def test_stopping_ray_removes_the_semaphores_named_after_its_raylet():
-    """The Ray backend stops the Ray it started with `stop_ray`: its raylet is gone by then, so what
-    its channels left is swept at once, not at the next run's first channel. (In a process of its
-    own: a Ray stopped in mid-test leaves this one unable to start actors of this module's classes.)"""
-    res = subprocess.run([sys.executable, "-c", STOP_RAY], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split()[-1] == "0", "files named after the stopped raylet are left"
 
 
 def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_references():

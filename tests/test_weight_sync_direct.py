@@ -190,9 +190,9 @@ def test_a_small_dev_shm_is_refused_before_anything_moves(monkeypatch):
 
 
 def test_files_of_dead_processes_are_swept_and_live_ones_kept():
-    from test_weight_sync import leftovers
+    from test_leftovers import planted
 
-    with leftovers("siirl-weights-{pid}-0") as (stale, live):
+    with planted("siirl-weights-{pid}-0") as (stale, live):
         Segment(FusingModel().parameters()).unlink()
         assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
 

@@ -6,7 +6,7 @@
 Builds a random Qwen2-style model (fp32; Qwen3-MoE with --experts), starts the real Runtime (Ray, Megatron trainer, vLLM rollout)
 twice, with the rollout colocated on the trainer's rank and on a mesh of its own, and syncs the
 weights `--repeats` times (the first two, reported apart, are warm-ups: the first sync records the rollout's
-loader, the second is the first on the fast path and compiles its copies). Prints, per layout, the median (and best) sync time, the
+loader, the second is the first on the fast path). Prints, per layout, the median (and best) sync time, the
 bytes exported (every rollout engine gets all of them: with `--gen d2` they move twice), the median ratio of each sync to a single-threaded memcpy of its bytes in this process
 timed just before it (target <= 3x; a shared VM drifts during a run, and both sides of a ratio drift together),
 with packed weights also the same tensors copied alone into the rollout's layout (row blocks: the
@@ -111,7 +111,7 @@ class LayoutCopy:
                     self.copies.append((t, torch.empty_like(t), False))
                 if block is not None and (tied or not embedding):
                     self.copies.append((t, torch.empty(t.shape[0] // block, t.shape[1], block), True))
-        self.best_s()  # compiles the copies into row blocks
+        self.best_s()  # builds the row-block kernel if need be, touches the memory
 
     def best_s(self, repeats: int = 3) -> float:
         from siirl_dag.weight_sync import row_blocks
@@ -166,7 +166,7 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         sync = WeightSync(rt, direct=not args.channel_only)
         # the first sync pays one-time costs (first object-store use, imports, recording the loader), the
-        # second the first use of the fast path (compiling its copies); each later one is preceded by a
+        # second the first use of the fast path; each later one is preceded by a
         # memcpy of its bytes, so the machine's drift during the run cancels in the ratio
         warmups = [sync("actor_update", "rollout", v, transport=args.transport) for v in range(1, min(args.repeats, 2) + 1)]
         warmup = warmups[0]

@@ -145,23 +145,6 @@ def test_a_weight_that_holds_its_own_row_blocks_gets_them_written_directly():
     torch.testing.assert_close(model.experts.data.view(4, 3, 4), blocked(torch.cat([new["0"], new["1"]]), 4), rtol=0, atol=0)
 
 
-def test_row_blocks_are_written_the_same_compiled_or_not(capfd):
-    from siirl_dag.weight_sync import row_blocks
-
-    row_blocks._compiled.cache_clear()  # as in a new process
-    src = torch.randn(4096, 320)  # over the size that runs compiled
-    big = torch.zeros(4096 // 64, 320, 64)
-    row_blocks.copy_into(big, src)
-    torch.testing.assert_close(big, blocked(src, 64), rtol=0, atol=0)
-    row_blocks.copy_into(big, src)
-    assert capfd.readouterr().err.count("[weight sync] compiling the copies into row blocks") == 1
-    small = torch.zeros(2, 3, 64)
-    row_blocks.copy_into(small, src[:128, :3])
-    torch.testing.assert_close(small, blocked(src[:128, :3], 64), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="does not fit"):
-        row_blocks.copy_into(small, src[:64, :3])
-
-
 def test_a_loader_that_computes_makes_no_plan():
     recorder = recorded(FusingModel(), transform=lambda t: t * 2)
     assert recorder.plan() is None and "something other than a slice" in recorder.problem

@@ -310,3 +310,23 @@ def test_each_rollout_rank_gets_its_own_shard_written_and_a_share_of_the_cores(r
         assert (version, ready, cores) == (2, True, 1)
         half = slice(2 * tp_rank, 2 * tp_rank + 2)
         torch.testing.assert_close(qk, torch.cat([weights["q"][half], weights["k"][half]]), rtol=0, atol=0)
+
+
+def test_colocated_syncs_replay_from_this_processs_memory_whatever_room_dev_shm_has(monkeypatch):
+    """`RankSync.handoff`, both engines in one process: the first sync records the loader, later ones
+    replay it. The parameters move into this process's memory, not /dev/shm, which is full here
+    (a container's default is 64 MB)."""
+    from types import SimpleNamespace
+
+    from siirl_dag.weight_sync.rank import RankSync
+
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096))
+    rank = RankSync({"t": Trainer(), "r": Rollout()})
+    rollout = rank.engines["r"]
+    first = rank.handoff("t", "r", 1)
+    assert "sync/write_s" not in first and rollout.version == 1, "the first sync goes through the loader"
+    later = rank.handoff("t", "r", 2)
+    assert later["sync/write_s"] > 0 and rollout.version == 2 and rollout.ready, "a replay"
+    new = export(2)
+    torch.testing.assert_close(rollout.model.qk.data, torch.cat([new["q"][2:], new["k"][2:]]), rtol=0, atol=0)
+    assert rank.segments["r"].path is None

@@ -1,7 +1,8 @@
 """Separate meshes on one CPU machine, after the first sync: the trainer's rank 0 writes its export
 straight into the rollout's parameters, one copy per tensor (through the channel every tensor is
 copied twice, into shared memory and out of it into the engine, on the same memory bus).
-Colocated meshes on CPU replay the same way in process (`RankSync.handoff`), skipping vLLM's loader.
+Colocated meshes on CPU replay the same way in process (`RankSync.handoff`), skipping vLLM's loader
+(their parameters move into this process's memory, not a file).
 
 How:
 - The rollout moves the parameters its loader writes into one shared-memory file (`Segment`).
@@ -66,23 +67,26 @@ class Copy:
 @dataclass
 class Plan:
     """What one rollout rank's loader does with an export: every incoming name with its shape and
-    dtype (names it skipped included), and its copies into the segment file at `path`."""
+    dtype (names it skipped included), and its copies into the segment file at `path` (None: a
+    segment in this process's memory)."""
 
-    path: str
+    path: str | None
     nbytes: int
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     copies: dict[str, list[Copy]] = field(default_factory=lambda: defaultdict(list))
 
 
 class Segment:
-    """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`).
+    """The rollout's side: `params` moved into one shared-memory file, each in place (`.data`), or,
+    for a keeper in the same process (colocated meshes), into one block of its private memory:
+    nothing in /dev/shm then, whose size a container may cap at 64 MB.
     `blocked`: (weight, the parameter that holds its row blocks, rows per block, whether the weight
     is read too) among them: copies into the weight (its rows being its last dim's) go into its row
     blocks, and only if it is read into the weight as well. A weight packed in place (vLLM's CPU MoE
     experts) holds its own blocks: the loader writes it plain, the packing follows (see `cpu_compat`)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter],
-                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]] = ()):
+                 blocked: Iterable[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]] = (), shared: bool = True):
         params = list({id(p): p for p in params}.values())
         if not params or any(p.device.type != "cpu" or not p.is_contiguous() for p in params):
             raise ValueError("direct writes need contiguous CPU parameters")
@@ -90,16 +94,9 @@ class Segment:
         for p in params:
             offsets.append(total)
             total += -(-nbytes(p) // _ALIGN) * _ALIGN
-        sweep_dead(rf"{_PREFIX}(\d+)-\d+")  # files of rollouts that died before a keeper mapped (and unlinked) them
-        self.path, self.nbytes = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{next(_COUNT)}"), max(total, _ALIGN)
-        try:
-            fs = os.statvfs(SHM_DIR)
-        except OSError:
-            raise ValueError(f"no {SHM_DIR} on this machine") from None
-        if fs.f_bavail * fs.f_frsize < 2 * self.nbytes:  # a write past a full tmpfs kills the process (SIGBUS)
-            raise ValueError(f"{SHM_DIR} has {fs.f_bavail * fs.f_frsize >> 20} MiB free, too little for "
-                             f"{self.nbytes >> 20} MiB of parameters")
-        self.memory = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        self.nbytes = max(total, _ALIGN)
+        self.path, self.memory = (self._file() if shared else
+                                  (None, torch.empty(self.nbytes, dtype=torch.uint8)))  # 64-byte aligned, as torch allocates
         with torch.no_grad():
             for p, offset in zip(params, offsets):
                 moved = self.memory[offset:offset + nbytes(p)].view(p.dtype).view(p.shape)
@@ -109,6 +106,18 @@ class Segment:
         # (first byte, end, columns, rows per block, the blocks' first element, read) per blocked weight
         self._blocked = [(w.storage_offset() * w.element_size(), (w.storage_offset() + w.numel()) * w.element_size(),
                           w.shape[-1], block, b.storage_offset(), read) for w, b, block, read in blocked]
+
+    def _file(self) -> tuple[str, torch.Tensor]:
+        sweep_dead(rf"{_PREFIX}(\d+)-\d+")  # files of rollouts that died before a keeper mapped (and unlinked) them
+        path = os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{next(_COUNT)}")
+        try:
+            fs = os.statvfs(SHM_DIR)
+        except OSError:
+            raise ValueError(f"no {SHM_DIR} on this machine") from None
+        if fs.f_bavail * fs.f_frsize < 2 * self.nbytes:  # a write past a full tmpfs kills the process (SIGBUS)
+            raise ValueError(f"{SHM_DIR} has {fs.f_bavail * fs.f_frsize >> 20} MiB free, too little for "
+                             f"{self.nbytes >> 20} MiB of parameters")
+        return path, torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
 
     def into_row_blocks(self, dst: torch.Tensor) -> tuple[list[tuple[int, int, int, tuple, tuple]], bool] | None:
         """If `dst` lies in a blocked weight: where a copy into it goes in the weight's row blocks,
@@ -125,8 +134,9 @@ class Segment:
         return None
 
     def unlink(self) -> None:
-        with suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.path:
+            with suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def _written(func, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
@@ -226,19 +236,18 @@ class Recorder(TorchDispatchMode):
 
 
 class Targets:
-    """The keeper's side: every rollout rank's plan, with its file mapped here (then unlinked)."""
+    """The keeper's side: every rollout rank's plan, with its file mapped here (then unlinked), or
+    the one plan of a `segment` in this process."""
 
-    def __init__(self, plans: list[Plan]):
+    def __init__(self, plans: list[Plan], segment: Segment | None = None):
         self.shapes = plans[0].shapes
         if any(p.shapes != self.shapes for p in plans):
             raise ValueError("rollout ranks recorded different exports")
         self.views: dict[str, list[tuple[tuple[slice, ...], torch.Tensor, bool]]] = defaultdict(list)
-        self.paths = [p.path for p in plans]
+        self.paths = [p.path for p in plans if p.path]
         try:
             for plan in plans:
-                if os.stat(plan.path).st_size != plan.nbytes:  # torch.from_file would make a new file
-                    raise ValueError(f"{plan.path} is not the rollout's segment")
-                memory = torch.from_file(plan.path, shared=True, size=plan.nbytes, dtype=torch.uint8)
+                memory = segment.memory if segment else self._mapped(plan)
                 for name, copies in plan.copies.items():
                     for c in copies:
                         dst = memory.view(c.dtype).as_strided(c.size, c.stride, c.offset)
@@ -247,6 +256,12 @@ class Targets:
             for path in self.paths:
                 with suppress(FileNotFoundError):
                     os.unlink(path)
+
+    @staticmethod
+    def _mapped(plan: Plan) -> torch.Tensor:
+        if os.stat(plan.path).st_size != plan.nbytes:  # torch.from_file would make a new file
+            raise ValueError(f"{plan.path} is not the rollout's segment")
+        return torch.from_file(plan.path, shared=True, size=plan.nbytes, dtype=torch.uint8)
 
     def write(self, named: Iterable[Named]) -> int:
         """Replay the plans on an export; returns the bytes exported. An export that differs from the

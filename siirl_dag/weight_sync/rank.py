@@ -47,7 +47,7 @@ class RankSync:
     def __init__(self, engines: dict):
         self.engines = engines
         self.pipes: dict[str, Any] = {}  # name -> ChannelPipe | SyncGroup, kept from sync to sync
-        self.segments: dict[str, Segment] = {}  # rollout engine key -> its parameters' shared memory
+        self.segments: dict[str, Segment] = {}  # rollout engine key -> where its parameters moved
         self.targets: dict[str, Targets] = {}  # pipe name -> the rollout parameters the keeper writes
         self.replays: dict[str, Targets | None] = {}  # colocated rollout engine -> its recorded load (None: none)
 
@@ -130,10 +130,11 @@ class RankSync:
             return self._replay(src, dst_key, targets, version, cores)
         recorder = None
         if dst_key not in self.replays:  # the first sync, or the first since a replay failed
-            if self.share(dst_key, quiet=True) is None:
+            segment = self._segment(dst_key, shared=False, quiet=True)
+            if segment is None:
                 self.replays[dst_key] = None  # e.g. parameters on a GPU: the loader, always
             else:
-                recorder = Recorder(self.segments[dst_key])
+                recorder = Recorder(segment)
         try:
             stats = handoff(src, dst, version, cores, recorder)
         except Exception:
@@ -142,7 +143,7 @@ class RankSync:
             raise
         if recorder:
             plan = self._plan(dst_key, recorder)["plan"]
-            self.replays[dst_key] = Targets([plan]) if plan else None
+            self.replays[dst_key] = Targets([plan], self.segments[dst_key]) if plan else None
             if plan is None:
                 log.warning("colocated weight sync into %s keeps the engine's loader: %s", dst_key, recorder.problem)
         return stats
@@ -163,11 +164,16 @@ class RankSync:
     def share(self, engine_key: str, quiet: bool = False) -> str | None:
         """Move the engine's parameters into a new shared-memory file, for a keeper to write into;
         None if the engine cannot (no such method, or parameters on a GPU)."""
+        segment = self._segment(engine_key, shared=True, quiet=quiet)
+        return segment.path if segment else None
+
+    def _segment(self, engine_key: str, shared: bool, quiet: bool) -> Segment | None:
+        """The engine's parameters moved into a new `Segment` (a shared file, or this process's memory)."""
         engine = self.engines[engine_key]
         if not hasattr(engine, "weight_parameters"):
             return None
         try:
-            segment = Segment(engine.weight_parameters(), getattr(engine, "blocked_weights", list)())
+            segment = Segment(engine.weight_parameters(), getattr(engine, "blocked_weights", list)(), shared)
         except ValueError as exc:
             if not quiet:
                 log.warning("weight sync into %s stays on the channel: %s", engine_key, exc)
@@ -175,7 +181,7 @@ class RankSync:
         if engine_key in self.segments:  # an older pipe's file, if its keeper never mapped it
             self.segments[engine_key].unlink()
         self.segments[engine_key] = segment
-        return self.segments[engine_key].path
+        return segment
 
     def receive(self, engine_key: str, version: int, pipe: str | InlinePipe, record: bool = False,
                 cores: int | None = None) -> dict:

@@ -6,11 +6,11 @@ of re-packing after every update: the keeper replays the loader's copies into it
 an engine that loaded the plain weight itself rearranges it here.
 
 The rearrangement is a transposition of every block, which torch's eager copy does element by
-element (2.5-5x a memcpy). `row_blocks.cpp` does it in 16x16 tiles with streaming stores: 1.0-1.2x
-a memcpy on one core, 0.6-0.7x on two (measured on a 2-core Xeon, 12-590 MiB weights). It is built
-with torch's extension builder on first use (about a second, once per machine: cached, and
-locked while building so that ranks starting together build it once); where that fails (no C++
-compiler) the copies fall back to torch's, with one warning.
+element (2.3-5x a memcpy). `row_blocks.cpp` does it in 16x16 tiles with streaming stores: 1.0-1.7x
+a memcpy on one core, 0.6-1.0x on two (a 2-core Xeon VM, 11-1187 MiB weights,
+scripts/bench_row_blocks.py). It is built with torch's extension builder on first use (about a
+second, once per machine: cached, and locked while building so that ranks starting together build
+it once); where that fails (no C++ compiler) the copies fall back to torch's, with one warning.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 
+from bench_weight_sync import Memcpy, best_s  # noqa: E402
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 from siirl_dag.weight_sync import row_blocks  # noqa: E402
 from siirl_dag.weight_sync.cores import borrowed  # noqa: E402
@@ -28,29 +28,20 @@ from siirl_dag.weight_sync.cores import borrowed  # noqa: E402
 BLOCK = 64
 
 
-def best_s(copy, repeats: int) -> float:
-    copy()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        copy()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure(name: str, rows: int, cols: int, repeats: int) -> dict:
     src = torch.randn(rows, cols)
-    packed, flat = torch.empty(rows // BLOCK, cols, BLOCK), torch.empty(rows * cols)
-    with borrowed(1):
-        memcpy = best_s(lambda: flat.copy_(src.view(-1)), repeats)
-        torch_copy = best_s(lambda: packed.copy_(src.unflatten(0, (-1, BLOCK)).transpose(1, 2)), max(1, repeats // 3))
-    kernel = {}
-    for threads in (1, 2):
+    packed = torch.empty(rows // BLOCK, cols, BLOCK)
+    memcpy = Memcpy(src.nbytes).best_s(repeats)
+    copies = {"torch": (1, row_blocks.copy_with_torch, max(1, repeats // 3)),
+              1: (1, row_blocks.copy_into, repeats), 2: (2, row_blocks.copy_into, repeats)}
+    times = {}
+    for key, (threads, copy, runs) in copies.items():
         with borrowed(threads):
-            kernel[threads] = best_s(lambda: row_blocks.copy_into(packed, src), repeats)
+            copy(packed, src)  # warm: the kernel built, the memory touched
+            times[key] = best_s(lambda: copy(packed, src), runs)
     return {"weight": name, "shape": [rows, cols], "MiB": round(src.nbytes / 2**20, 1), "memcpy_ms": round(1e3 * memcpy, 2),
-            "kernel_1_thread_ratio": round(kernel[1] / memcpy, 2), "kernel_2_threads_ratio": round(kernel[2] / memcpy, 2),
-            "torch_ratio": round(torch_copy / memcpy, 2)}
+            "kernel_1_thread_ratio": round(times[1] / memcpy, 2), "kernel_2_threads_ratio": round(times[2] / memcpy, 2),
+            "torch_ratio": round(times["torch"] / memcpy, 2)}
 
 
 def main() -> None:

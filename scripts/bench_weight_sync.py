@@ -58,6 +58,17 @@ runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}}}
 STAGES = ("sync/gather_s", "sync/convert_s", "sync/send_s", "sync/write_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
 
 
+def best_s(run, repeats: int, before=lambda: None) -> float:
+    """The shortest of `repeats` timings of `run()`; `before` runs ahead of each, untimed."""
+    best = float("inf")
+    for _ in range(repeats):
+        before()
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 class Memcpy:
     """A single-threaded copy of `nbytes` (the ranks run one thread each), timed best of `repeats`;
     the buffers are made once and stay warm, so each timing is the copy alone."""
@@ -72,13 +83,7 @@ class Memcpy:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            best = float("inf")
-            for _ in range(repeats):
-                before()
-                t = time.perf_counter()
-                self.dst.copy_(self.src)
-                best = min(best, time.perf_counter() - t)
-            return best
+            return best_s(lambda: self.dst.copy_(self.src), repeats, before)
         finally:
             torch.set_num_threads(threads)
 
@@ -117,14 +122,12 @@ class LayoutCopy:
         from siirl_dag.weight_sync import row_blocks
         from siirl_dag.weight_sync.cores import borrowed
 
-        best = float("inf")
+        def copy_all():
+            for src, dst, blocked in self.copies:
+                row_blocks.copy_into(dst, src) if blocked else dst.copy_(src)
+
         with borrowed(self.threads):
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for src, dst, blocked in self.copies:
-                    row_blocks.copy_into(dst, src) if blocked else dst.copy_(src)
-                best = min(best, time.perf_counter() - t0)
-        return best
+            return best_s(copy_all, repeats)
 
 
 def _copy_in_lockstep(nbytes: int, barrier, results, repeats: int) -> None:

@@ -4,11 +4,10 @@ or a destructor that never ran). In /dev/shm they hold memory until the machine 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from typing import Callable, Iterator
 
 SHM_DIR = "/dev/shm"
@@ -30,7 +29,7 @@ def sweep_dead(pattern: str, folder: str = SHM_DIR) -> None:
                         os.unlink(path)
 
 
-@contextlib.contextmanager
+@contextmanager
 def created(folder: str, found: list[str], keep: Callable[[str], bool] = lambda name: True) -> Iterator[None]:
     """Record into `found` the paths of the entries of `folder` made meanwhile whose names `keep`
     accepts (a library that leaves them behind, for `remove` once it is done)."""

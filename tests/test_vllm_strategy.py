@@ -223,7 +223,6 @@ def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine,
 def test_a_load_finishes_with_the_cores_the_sync_lends_it(vllm_engine, tiny_model_dir, monkeypatch):
     """The re-pack after a load (streamed or written in place) runs on the cores it is given, no
     more than the process may use, and the engine's thread count comes back after."""
-
     from siirl_dag.strategies.vllm import cpu_compat
 
     seen, repack = [], cpu_compat._repack

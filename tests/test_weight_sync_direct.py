@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from siirl_dag.weight_sync.direct import Recorder, Segment, Targets
+from test_row_blocks import blocked
 
 
 class FusingModel(torch.nn.Module):
@@ -80,10 +81,6 @@ def test_tensors_given_as_views_of_one_fused_weight_are_told_apart():
     targets.write(views(fused, bias))
     torch.testing.assert_close(model.qk.data, torch.cat([fused[2:4], fused[6:]]), rtol=0, atol=0)
     torch.testing.assert_close(model.bias.data, bias, rtol=0, atol=0)
-
-
-def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
-    return weight.unflatten(0, (-1, block)).transpose(1, 2).contiguous()
 
 
 class RowBlockedModel(torch.nn.Module):

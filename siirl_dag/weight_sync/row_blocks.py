@@ -40,7 +40,7 @@ def copy_into(packed: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"{tuple(src.shape)} does not fit row blocks of {tuple(packed.shape)}")
     kernel = _kernel() if _fits_kernel(packed, src) else None
     if kernel is None:
-        packed.copy_(src.unflatten(0, (-1, packed.shape[2])).transpose(1, 2))
+        copy_with_torch(packed, src)
         return
     blocks, cols, w = packed.shape
     threads = max(1, min(torch.get_num_threads(), blocks)) if packed.numel() >= _THREADED_FROM else 1
@@ -52,6 +52,11 @@ def copy_into(packed: torch.Tensor, src: torch.Tensor) -> None:
     kernel(*args, bounds[0], bounds[1], cols, w, stream)  # ctypes lets go of the GIL meanwhile
     for other in others:
         other.result()
+
+
+def copy_with_torch(packed: torch.Tensor, src: torch.Tensor) -> None:
+    """The same copy by torch (element by element): where the kernel does not apply or cannot be built."""
+    packed.copy_(src.unflatten(0, (-1, packed.shape[2])).transpose(1, 2))
 
 
 def pieces(row: int, rows: int, cols: int, row_length: int, block: int) -> list[tuple[int, int, tuple, tuple, int]]:

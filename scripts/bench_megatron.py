@@ -162,7 +162,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(tmp, a.hidden_size, a.num_layers, a.vocab)
-        engine = MegatronEngine(RankContext(0, 1), {"path": path}, {"lr": 1e-5})
+        engine = MegatronEngine(RankContext(0), {"path": path}, {"lr": 1e-5})
         config = copy.copy(engine.config)  # its own: the schedule reads hooks off the model's config
         bare = BareLoop(model_lib.build_model(engine.spec, config, engine.mesh, engine.device), config, 1e-5)
     batch = make_batch(a.batch, a.prompt_len, a.response_len, a.vocab)

@@ -5,7 +5,7 @@ generated tokens (up to and including EOS). Also reports the engine start time a
 in-place weight update.
 
     python scripts/bench_vllm.py [--prompts 32] [--n 1] [--new-tokens 64] [--hidden-size 512] [--num-layers 4]
-        [--threads 1] [--plain-weights] [--json]
+        [--threads 1] [--json]
 
 The default model (13M parameters) is the smallest where the forward pass, not per-step Python,
 decides the speed. On the 0.5M-parameter demo model (--hidden-size 128 --num-layers 2) both
@@ -43,8 +43,6 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=512, help="tiny model width (head_dim 32)")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for both engines")
-    p.add_argument("--plain-weights", action="store_true",
-                   help="vLLM option cpu_packed_weights: false (oneDNN on the plain weights; cheaper updates)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = p.parse_args()
@@ -69,9 +67,8 @@ def main() -> None:
         model_dir = make_tiny_model(tmp, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=heads,
                                     num_kv_heads=max(1, heads // 2), intermediate_size=4 * a.hidden_size)
         engine_start_s, engine = timed(lambda: VllmRollout(
-            RankContext(0, 1), model_dir,
-            {"dtype": "float32", "kv_cache_gb": 0.5, "max_model_len": P + R, "enforce_eager": a.enforce_eager,
-             "cpu_packed_weights": not a.plain_weights}))
+            RankContext(0), model_dir,
+            {"dtype": "float32", "kv_cache_gb": 0.5, "max_model_len": P + R, "enforce_eager": a.enforce_eager}))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         batch = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -92,13 +89,13 @@ def main() -> None:
         runs = [(timed(vllm_generate), timed(hf_generate)) for _ in range(a.repeats)]
         vllm_rate, hf_rate = (max(tokens / secs for secs, tokens in (run[i] for run in runs)) for i in (0, 1))
         weights = load_file(f"{model_dir}/model.safetensors")
-        load_s = min(engine.load_weights(weights.items(), engine.weights_version + 1) for _ in range(a.repeats))
+        load_s = min(timed(lambda: engine.load_weights(weights.items(), engine.weights_version + 1))[0]
+                     for _ in range(a.repeats))
         engine.close()
 
         result = {
             "hidden_size": a.hidden_size, "num_layers": a.num_layers, "prompts": a.prompts, "n": a.n,
             "new_tokens": R, "threads": a.threads, "enforce_eager": a.enforce_eager,
-            "cpu_packed_weights": not a.plain_weights,
             "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate),
             "speedup": round(vllm_rate / hf_rate, 2),
             "engine_start_s": round(engine_start_s, 2), "load_weights_s": round(load_s, 4),

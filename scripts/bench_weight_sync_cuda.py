@@ -65,7 +65,7 @@ def _engine(model: str, bf16: bool):
     from siirl_dag.strategies.base import RankContext
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    return MegatronEngine(RankContext(0, 1, device="cuda"), {"path": model}, {"bf16": bf16})
+    return MegatronEngine(RankContext(0, device="cuda"), {"path": model}, {"bf16": bf16})
 
 
 def colocated(engine, args) -> dict:

@@ -34,6 +34,6 @@ def vllm_engine(tiny_model_dir):
     from siirl_dag.strategies.base import RankContext
     from siirl_dag.strategies.vllm.rollout import VllmRollout
 
-    engine = VllmRollout(RankContext(rank=0, world_size=1), tiny_model_dir, dict(VLLM_TEST_OPTIONS))
+    engine = VllmRollout(RankContext(rank=0), tiny_model_dir, dict(VLLM_TEST_OPTIONS))
     yield engine
     engine.close()

@@ -166,3 +166,11 @@ def make_batch(n: int = 8, prompt_len: int = 6, resp_len: int = 5, vocab: int = 
         "advantages": torch.randn(n, resp_len, generator=g),
         "uid": [f"u{i // 2}" for i in range(n)],
     }
+
+
+def dims(world: int, sizes: dict):
+    """The sizes of a mesh of `world` ranks (data parallel fills the rest), as placement gives them."""
+    from siirl_dag.placement.parallel_dims import ParallelDims
+
+    model = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    return ParallelDims(**{"dp": world // model, **sizes})

@@ -13,7 +13,8 @@ from siirl_dag.placement import (
 
 
 def sizes(c: Component) -> tuple:
-    return (c.dp, c.tp, c.pp, c.cp, c.ep, c.etp, c.edp, c.world_size)
+    d = c.dims
+    return (d.dp, d.tp, d.pp, d.cp, d.ep, d.etp, d.edp, d.world_size)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ def test_sizes(spec, expected):
 
 def test_seed_000_layout_two_components():
     inf, train = parse_allocation("sglang:d4t4+megatron:(attn:d1p4t2c2|ffn:d1p4t1e4)")
-    assert (inf.backend, inf.world_size, train.backend, train.world_size) == ("sglang", 16, "megatron", 16)
+    assert (inf.backend, inf.dims.world_size, train.backend, train.dims.world_size) == ("sglang", 16, "megatron", 16)
     assert allocation_world_size([inf, train]) == 32
     assert inf.colocated_with is None and train.colocated_with is None
 
@@ -67,7 +68,7 @@ def test_component_json_keys_and_frozen():
     assert js == {"backend": "megatron", "name": "actor", "dp": 2, "tp": 4, "pp": 2, "cp": 1, "ep": 4, "etp": 1,
                   "edp": 2, "world_size": 16, "colocated_with": None}
     with pytest.raises(AttributeError):
-        c.tp = 8
+        c.dims.tp = 8
 
 
 @pytest.mark.parametrize(
@@ -88,7 +89,7 @@ def test_component_json_keys_and_frozen():
         ("megatron:", "no dimensions"),
         ("megatron:d2t", "cannot read dimensions"),
         ("megatron:d2,t2", "cannot read dimensions"),
-        ("megatron:d3e2", "e2 does not fit"),  # edp = 3 / 2
+        ("megatron:d3e2", "expert data parallel = world 3 / (p1 * expert t1 * e2) is not a whole number"),
         ("megatron[1st]:d2", "bad name '1st'"),
         ("vllm:d2++megatron:d2", "empty component"),
         ("vllm:d2|", "empty component"),
@@ -98,7 +99,7 @@ def test_component_json_keys_and_frozen():
         ("megatron:(attn:d1p4t2c2|ffn:d1p2t1e4)", "p must be equal in attn and ffn (attn p4, ffn p2)"),
         ("megatron:(attn:d1p4t2|ffn:d2p4t1e4)",
          "attn and ffn must cover the same devices (attn d*t*p*c = 8, ffn d*t*p*e = 32)"),
-        ("megatron:(attn:d2t3|ffn:e4)", "cannot derive ffn d: attn world size 6 is not divisible by ffn t*p*e = 4"),
+        ("megatron:(attn:d2t3|ffn:e4)", "expert data parallel = world 6 / (p1 * expert t1 * e4) is not a whole number"),
         ("megatron:(attn:d1t2e2|ffn:e2)", "e is not allowed in attn: (allowed: d, t, p, c)"),
         ("megatron:(attn:d2|ffn:c2e2)", "c is not allowed in ffn: (allowed: d, t, p, e)"),
         ("megatron:(attn:d2|attn:d2)", "section attn: given twice"),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dist_utils import _free_port, hf_state, make_batch, make_tiny_hf, run_ranks
+from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.strategies.base import RankContext
 from test_megatron_checkpoint import _load, _save
 from test_megatron_engine import OPTS, pg_loss
@@ -24,7 +25,7 @@ def _step(rank, world, path, device, opts):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products, to compare with the CPU's
-    eng = MegatronEngine(RankContext(rank, world, device=device), {"path": path}, {**OPTS, **OFFLOAD, **opts})
+    eng = MegatronEngine(RankContext(rank, ParallelDims(dp=world), device=device), {"path": path}, {**OPTS, **OFFLOAD, **opts})
     batch = make_batch(8)
     out = {"export": {name: t.cpu() for name, t in eng.export_hf_weights()},
            "before": eng.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
@@ -84,20 +85,20 @@ def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path, monkeypatch):
 
 
 def _broadcast(rank, world, port, path, bucket_bytes):
-    from siirl_dag.weight_sync.buckets import Buckets
-    from siirl_dag.weight_sync.collective import SyncGroup
+    from siirl_dag.weight_sync.process_group import SyncGroup
+    from siirl_dag.weight_sync.stream import Buckets, End
 
     torch.cuda.set_device(rank)
     group = SyncGroup("127.0.0.1", port, rank, world, "cuda")
     try:
         if rank == 0:
-            buckets = Buckets(hf_state(path).items(), bucket_bytes)
+            buckets = Buckets(hf_state(path).items(), bucket_bytes, {})
             while (bucket := buckets.next()) is not None:
                 group.write(bucket)
-            group.write(None)
+            group.write(End(None))
             return buckets.stats
         got = {}
-        while (bucket := group.read()) is not None:
+        while not isinstance(bucket := group.read(), End):
             assert all(t.is_cuda for _, t in bucket)
             got.update((name, t.cpu()) for name, t in bucket)
         return got

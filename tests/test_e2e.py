@@ -117,7 +117,6 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, f
     # the same engine started in `four_steps`: this start loads its compiled model from vLLM's cache
     assert "load failure" not in res.stdout + res.stderr, "vLLM compiled again"
     assert "reset prefix cache" not in res.stdout + res.stderr  # vLLM's line at every weight update
-    assert "could not build row_blocks.cpp" not in res.stderr, "the copies into row blocks fell back to torch's"
     # a save says so before and after, each on a line of its own (not appended to the training bar)
     lines = re.split(r"[\r\n]", res.stderr)  # the bar redraws itself after a carriage return
     assert "[trainer] step 4: saving a checkpoint ..." in lines

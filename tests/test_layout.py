@@ -5,7 +5,7 @@ import json
 import pytest
 
 from siirl_dag.errors import ConfigError
-from siirl_dag.placement import ClusterSpec, MeshRequest, parse_allocation, place, rank_coords
+from siirl_dag.placement import ClusterSpec, MeshRequest, ParallelDims, parse_allocation, place, rank_coords
 
 SP = {"sequence_parallel": True}
 VPP2 = {"virtual_pipeline_model_parallel_size": 2}
@@ -38,9 +38,9 @@ def test_seed_000_disaggregated_on_4x8(rollout):
     assert plan.devices_used == 32 and plan.warnings == []
     r5 = train.ranks[5]
     assert (r5.machine, r5.local_device, r5.device) == (2, 5, 21)
-    assert r5.coords == rank_coords(5, 16, tp=2, pp=4, cp=2, ep=4, etp=1)
+    assert r5.coords == rank_coords(5, ParallelDims(tp=2, pp=4, cp=2, ep=4, etp=1))
     assert roll.ranks[6].coords == {"dp": 1, "pp": 0, "tp": 2}
-    assert train.sizes["edp"] == 1 and roll.backend == rollout.split(":")[0]
+    assert train.dims.edp == 1 and roll.backend == rollout.split(":")[0]
 
 
 def test_tp_groups_stay_inside_a_machine_first_fit():
@@ -51,8 +51,8 @@ def test_tp_groups_stay_inside_a_machine_first_fit():
     assert plan.meshes["b"].devices == [3, 4, 5, 6, 8, 9, 10, 11]
     assert plan.meshes["c"].devices == [12, 13]
     for m in plan.meshes.values():
-        for start in range(0, len(m.ranks), m.component.tp):
-            assert len({r.machine for r in m.ranks[start:start + m.component.tp]}) == 1
+        for start in range(0, len(m.ranks), m.dims.tp):
+            assert len({r.machine for r in m.ranks[start:start + m.dims.tp]}) == 1
 
 
 def test_expert_tp_blocks_also_stay_inside_a_machine():
@@ -159,13 +159,18 @@ def test_explicit_tp_group_across_machines():
     ("megatron:d4e2", {"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),  # plain + e: etp 1
     ("megatron:(attn:d2t2|ffn:t1)", {"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
     ("vllm:d2t2", {"tensor_parallel_size": 1}, "tensor_parallel_size"),
-    ("vllm:d2p2", {"pipeline_parallel_size": 4}, "pipeline_parallel_size"),
+    ("vllm:d2t2", {"pipeline_parallel_size": 4}, "pipeline_parallel_size"),
 ])
 def test_options_contradicting_the_string(spec, options, key):
     options = {"sequence_parallel": "t2" in spec, **options}
     p = one_problem(ClusterSpec(1, 8), [mesh("m", spec, options=options)])
     assert p.path == ("meshes", "m", "options", key)
     assert f"{key}={options[key]} contradicts the mesh allocation {spec!r}" in p.message
+
+
+def test_a_vllm_mesh_with_pipeline_stages_is_refused_at_the_door():
+    p = one_problem(ClusterSpec(1, 8), [mesh("m", "vllm:d2p2")])
+    assert p.path == ("meshes", "m") and "p2: a vLLM rollout mesh has only d and t" in p.message
 
 
 def test_options_agreeing_with_the_string_and_options_path():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_utils import hf_logits, make_batch, make_tiny_hf, run_ranks
+from dist_utils import dims, hf_logits, make_batch, make_tiny_hf, run_ranks
 from siirl_dag.strategies.base import RankContext
 from test_megatron_engine import pg_loss
 
@@ -15,7 +15,7 @@ OPTS = {"lr": 1e-3, "eps": 1e-3}
 def _save(rank, world, path, sizes, ckpt, hf_dir, device="cpu"):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    eng = MegatronEngine(RankContext(rank, world, device=device, sizes=sizes), {"path": path}, OPTS)
+    eng = MegatronEngine(RankContext(rank, dims(world, sizes), device=device), {"path": path}, OPTS)
     batch = make_batch(8)
     eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
     eng.save_checkpoint(ckpt)
@@ -28,7 +28,7 @@ def _save(rank, world, path, sizes, ckpt, hf_dir, device="cpu"):
 def _load(rank, world, path, sizes, ckpt):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    eng = MegatronEngine(RankContext(rank, world, sizes=sizes), {"path": path}, OPTS)
+    eng = MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path}, OPTS)
     batch = make_batch(8)
     fresh = eng.compute_logprobs(batch)["logprobs"]
     eng.load_checkpoint(ckpt)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import TINY, make_batch, make_tiny_hf, randomize_norms_and_biases, run_ranks
+from dist_utils import TINY, dims, make_batch, make_tiny_hf, randomize_norms_and_biases, run_ranks
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext
 
@@ -55,7 +55,7 @@ def critic_loss(values, mb):
 def _engine(rank, world, path, sizes, opts=OPTS):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    return MegatronEngine(RankContext(rank, world, sizes=sizes), {"path": path}, opts)
+    return MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path}, opts)
 
 
 def _one_rank(rank, world, path, lm_path, ckpt, hf_dir):

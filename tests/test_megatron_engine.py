@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import hf_state, make_batch, make_tiny_hf, run_ranks
+from dist_utils import dims, hf_state, make_batch, make_tiny_hf, run_ranks
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext
 
@@ -31,7 +31,7 @@ def _shard(batch: dict, rank: int, size: int) -> dict:
 def _step(rank, world, path, sizes, opts):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    eng = MegatronEngine(RankContext(rank, world, sizes=sizes), {"path": path}, {**OPTS, **opts})
+    eng = MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path}, {**OPTS, **opts})
     batch = _shard(make_batch(8), eng.dp_rank, eng.dp_size)
     before = eng.compute_logprobs(batch, micro_batch_size=2)["logprobs"]
     metrics = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
@@ -91,7 +91,7 @@ def _one_rank_suite(rank, world, path):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
     def engine(opts):
-        return MegatronEngine(RankContext(rank, world), {"path": path}, opts)
+        return MegatronEngine(RankContext(rank, dims(world, {})), {"path": path}, opts)
 
     batch = make_batch(8)
     out = {}
@@ -168,7 +168,6 @@ def test_dynamic_micro_batches_follow_the_token_budget(one_rank):
 @pytest.mark.parametrize("sizes, opts, words", [
     ({"cp": 2}, {}, "context parallelism"),
     ({}, {"moe_grouped_gemm": True}, "grouped GEMM"),
-    ({"tp": 2}, {"tensor_model_parallel_size": 4}, "contradicts the mesh"),
     ({}, {"lr_decay_style": "cosine"}, "lr_decay_steps"),
     ({}, {"recompute_granularity": "everything"}, "recompute_granularity"),
     ({}, {"no_such_option": 1}, "no_such_option"),
@@ -181,7 +180,7 @@ def test_bad_options_are_config_errors(sizes, opts, words):
     if use_transformer_engine() and words in ("context parallelism", "grouped GEMM"):
         pytest.skip("allowed with Transformer Engine")
     with pytest.raises(ConfigError, match=words):
-        MegatronEngine(RankContext(0, 2, sizes=sizes), {"path": "unused"}, opts)
+        MegatronEngine(RankContext(0, dims(2, sizes)), {"path": "unused"}, opts)
 
 
 def _cp_round_trip(rank, world):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import hf_logits, hf_state, make_batch, make_tiny_hf, run_ranks
+from dist_utils import dims, hf_logits, hf_state, make_batch, make_tiny_hf, run_ranks
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.megatron import hf_config, hf_convert
 
@@ -34,7 +34,7 @@ def _convert(rank, world, path, sizes, opts):
     from siirl_dag.strategies.base import RankContext
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    eng = MegatronEngine(RankContext(rank, world, sizes=sizes), {"path": path}, opts)
+    eng = MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path}, opts)
     out = eng.compute_logprobs(make_batch(vocab=eng.spec.vocab_size), micro_batch_size=3, return_entropy=True)
     if ps.get_pipeline_model_parallel_world_size() == 1:  # direct forward: whole model on this rank
         with torch.no_grad():

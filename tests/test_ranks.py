@@ -3,8 +3,7 @@
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from siirl_dag.errors import ConfigError
-from siirl_dag.placement import inference_coords, rank_coords, rank_groups
+from siirl_dag.placement import ParallelDims, inference_coords, rank_coords, rank_groups
 
 ORDER = "tp-cp-ep-dp-pp"  # initialize_model_parallel's default
 
@@ -62,13 +61,17 @@ def megatron_groups(world, tp, pp, cp, ep, etp):
     return out
 
 
+def dims_of(world, tp, pp, cp, ep, etp) -> ParallelDims:
+    return ParallelDims(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+
+
 def as_set(groups):
     return {tuple(sorted(g)) for g in groups}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "W{}-tp{}-pp{}-cp{}-ep{}-etp{}".format(*s))
 def test_groups_match_megatron_core(shape):
-    ours, theirs = rank_groups(*shape), megatron_groups(*shape)
+    ours, theirs = rank_groups(dims_of(*shape)), megatron_groups(*shape)
     assert set(ours) == set(theirs)
     for key in theirs:
         assert as_set(ours[key]) == as_set(theirs[key]), key
@@ -78,10 +81,11 @@ def test_groups_match_megatron_core(shape):
 @pytest.mark.parametrize("shape", SHAPES[::3], ids=lambda s: "W{}-tp{}-pp{}-cp{}-ep{}-etp{}".format(*s))
 def test_coords_are_positions_in_groups(shape):
     world, tp, pp, cp, ep, etp = shape
-    groups = rank_groups(*shape)
+    dims = dims_of(*shape)
+    groups = rank_groups(dims)
     dp = world // (tp * pp * cp)
     for rank in range(world):
-        co = rank_coords(rank, *shape)
+        co = rank_coords(rank, dims)
         assert rank == co["tp"] + tp * (co["cp"] + cp * (co["dp"] + dp * co["pp"]))
         for key in ("tp", "cp", "dp", "pp", "ep", "etp", "edp"):
             (group,) = [g for g in groups[key] if rank in g]
@@ -89,22 +93,24 @@ def test_coords_are_positions_in_groups(shape):
 
 
 def test_peers_example():
-    g = rank_groups(8, tp=2, pp=2)
+    g = rank_groups(ParallelDims(dp=2, tp=2, pp=2))
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def test_bad_shapes():
-    with pytest.raises(ConfigError, match="not divisible by tp\\*pp\\*cp = 3"):
-        rank_groups(8, tp=3, pp=1)
-    with pytest.raises(ConfigError, match="not divisible by etp\\*ep\\*pp = 16"):
-        rank_groups(8, tp=2, pp=1, ep=8, etp=2)
-    with pytest.raises(ConfigError, match="outside world size"):
-        rank_coords(8, 8, tp=2, pp=1)
+def test_bad_shapes_are_refused_where_the_sizes_are_made():
+    with pytest.raises(ValueError, match=r"expert data parallel = world 8 / \(p1 \* expert t2 \* e8\) is not a whole"):
+        ParallelDims(dp=4, tp=2, ep=8, etp=2)
+    with pytest.raises(ValueError, match="virtual pipeline \\(2\\) needs pipeline parallel > 1"):
+        ParallelDims(dp=2, vpp=2)
+    with pytest.raises(ValueError, match="positive integers, not tp=0"):
+        ParallelDims(tp=0)
+    with pytest.raises(ValueError, match="outside world size"):
+        rank_coords(8, ParallelDims(dp=4, tp=2))
 
 
 def test_inference_coords():
     # vllm:d2t2p2 -> instance 1 owns ranks 4..7; rank 6 is its stage 1, TP rank 0
-    assert inference_coords(6, tp=2, pp=2) == {"dp": 1, "pp": 1, "tp": 0}
-    assert [inference_coords(r, tp=4, pp=1)["dp"] for r in range(8)] == [0] * 4 + [1] * 4
+    assert inference_coords(6, ParallelDims(dp=2, tp=2, pp=2)) == {"dp": 1, "pp": 1, "tp": 0}
+    assert [inference_coords(r, ParallelDims(dp=2, tp=4))["dp"] for r in range(8)] == [0] * 4 + [1] * 4

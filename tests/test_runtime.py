@@ -16,6 +16,7 @@ import runtime_kinds  # noqa: F401 - registers the t_* kinds
 from siirl_dag.config import load_pipeline
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import Batch, PipelineError, Runtime
+from siirl_dag.runtime.worker import RankWorker
 
 HEAD = """\
 name: rt
@@ -115,7 +116,7 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
         """)
     rt = Runtime(pipe, progress=lambda *_: None)
     rt.start()
-    pids = [rt.backend.get(rt.backend.call(w, "pid")) for ws in rt.workers.values() for w in ws]
+    pids = [rt.backend.get(rt.backend.call(w, RankWorker.pid)) for ws in rt.workers.values() for w in ws]
     with pytest.raises(PipelineError) as info:
         rt.run_step(prompts(2), step=3)
     rt.shutdown()
@@ -172,7 +173,7 @@ def test_rollouts_get_their_trainers_weights_at_start_and_a_failed_sync_names_th
           - {id: gen, kind: t_expand, mesh: a, model: m, weights_from: update}
           - {id: update, kind: t_update, deps: [gen], mesh: b, model: m}
         """)
-    with pytest.raises(PipelineError, match="(?s)weight sync 'update' -> 'gen' \\(version 0\\) failed: .*(export_hf_weights|load_weights)"):
+    with pytest.raises(PipelineError, match="(?s)weight sync 'update' -> 'gen' \\(version 0, path shared_memory\\) failed: .*(export_hf_weights|load_weights)"):
         with Runtime(pipe, progress=lambda *_: None):
             pass
 
@@ -249,7 +250,7 @@ def test_the_local_backend_delivers_any_error_at_get_as_ray_does():
             raise ShardCutShort("EOFError")
 
     backend = LocalBackend(None)
-    done = backend.call(Worker(), "load")
+    done = backend.call(Worker(), Worker.load)
     with pytest.raises(ShardCutShort):
         backend.get(done)
 

@@ -178,7 +178,7 @@ def test_placement_svg_labels_every_rank(name):
     for mesh, rank, _ in ranks(pipe):
         assert texts.count(f"{mesh}:{rank}") == 1, (mesh, rank)
     for m in pipe.plan.meshes.values():  # coordinates of every dimension larger than 1
-        big = [k for k in ("dp", "pp", "tp", "cp", "ep") if m.sizes[k] > 1]
+        big = [k for k in ("dp", "pp", "tp", "cp", "ep") if getattr(m.dims, k) > 1]
         for r in m.ranks:
             label = " ".join(f"{k}{r.coords[k]}" for k in big)
             assert not big or any(label in (t or "") for t in texts), (m.name, r.rank, label)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from dist_utils import run_ranks
 from siirl_dag.errors import ConfigError
+from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.strategies.vllm.rollout import VllmRollout
 from siirl_dag.strategies.vllm.options import resolve_options
@@ -172,12 +173,8 @@ def test_bad_lengths_and_keys_are_refused(vllm_engine):
 def test_options_are_checked_before_any_engine_starts(tiny_model_dir):
     with pytest.raises(ConfigError, match="options: Additional properties"):
         VllmRollout(RankContext(0, 1), tiny_model_dir, {"temprature": 1.0})
-    with pytest.raises(ConfigError, match=r"options\.tensor_parallel_size: tensor_parallel_size=2 but .* tp=1"):
-        VllmRollout(RankContext(0, 1, sizes={"dp": 1, "tp": 1}), tiny_model_dir, {"tensor_parallel_size": 2})
-    with pytest.raises(ConfigError, match="pp=2: a vLLM rollout mesh has only d and t"):
-        VllmRollout(RankContext(0, 2, sizes={"dp": 1, "tp": 1, "pp": 2}), tiny_model_dir, {})
     with pytest.raises(RuntimeError, match="process group"):  # none, or vLLM's own of 1 rank
-        VllmRollout(RankContext(0, 2, sizes={"dp": 1, "tp": 2}), tiny_model_dir, {})
+        VllmRollout(RankContext(0, ParallelDims(tp=2)), tiny_model_dir, {})
     assert resolve_options({})["kv_cache_gb"] == 1.0
 
 
@@ -220,22 +217,6 @@ def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine,
     assert torch.equal(vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)["responses"], before["responses"])
 
 
-def test_a_load_finishes_with_the_cores_the_sync_lends_it(vllm_engine, tiny_model_dir, monkeypatch):
-    """The re-pack after a load (streamed or written in place) runs on the cores it is given, no
-    more than the process may use, and the engine's thread count comes back after."""
-    from siirl_dag.strategies.vllm import cpu_compat
-
-    seen, repack = [], cpu_compat._repack
-    monkeypatch.setattr(cpu_compat, "_repack", lambda *a: (seen.append(torch.get_num_threads()), repack(*a)))
-    threads, usable, v = torch.get_num_threads(), len(os.sched_getaffinity(0)), vllm_engine.weights_version
-    vllm_engine.load_weights(checkpoint(tiny_model_dir).items(), version=v + 1, cores=2)
-    vllm_engine.expect_weights()
-    vllm_engine.weights_written(v + 2, cores=64)
-    vllm_engine.weights_written(v + 3)
-    assert seen == [min(2, usable), min(64, usable), threads] and torch.get_num_threads() == threads
-    assert vllm_engine.weights_version == v + 3
-
-
 def test_offload_onload_keep_the_engine_usable(vllm_engine):
     before = vllm_engine.generate(PROMPTS[:1], {"greedy": True}, P, R)
     vllm_engine.offload()
@@ -246,31 +227,17 @@ def test_offload_onload_keep_the_engine_usable(vllm_engine):
 
 # --- in fresh processes: tensor parallel over two gloo ranks, and an MoE model ---------------------
 
-def _rank_main(rank, world, sizes, model_dir, update_path, options, direct_path=None):
-    """One rank (gloo group made by dist_utils): greedy rollout, weight update from a file, greedy again.
-    With `direct_path`, the update's load is recorded and a second update (that file) is written
-    straight into the shared parameters as a trainer would (weight_sync.direct), then greedy again."""
+def _rank_main(rank, world, sizes, model_dir, *update_paths):
+    """One rank (gloo group made by dist_utils): greedy rollout, then after each weight update (files, in
+    order) greedy again. Every rollout on CPU keeps its weights plain, and MoE experts are prepacked
+    again after each load (cpu_compat.after_load): two updates check that the second takes too."""
     from conftest import VLLM_TEST_OPTIONS
-    from siirl_dag.weight_sync.buckets import Buckets
-    from siirl_dag.weight_sync.direct import Targets
-    from siirl_dag.weight_sync.rank import InlinePipe, RankSync
 
-    engine = VllmRollout(RankContext(rank, world, sizes=sizes), model_dir, {**VLLM_TEST_OPTIONS, **options})
-    before = engine.generate(PROMPTS, {"greedy": True}, P, R)
-    if direct_path is None:
-        engine.load_weights(load_file(update_path).items(), version=1)
-    else:
-        sync = RankSync({"r": engine})
-        assert sync.share("r")
-        pipe = InlinePipe(Buckets(load_file(update_path).items(), 1 << 16))
-        plan = sync.receive("r", 1, pipe, True)["plan"]
-    after = engine.generate(PROMPTS, {"greedy": True}, P, R)
-    outs = (before, after)
-    if direct_path is not None:
-        assert sync.expect("r", plan.path)
-        Targets([plan]).write(load_file(direct_path).items())
-        sync.written("r", 2)
-        outs += (engine.generate(PROMPTS, {"greedy": True}, P, R),)
+    engine = VllmRollout(RankContext(rank, ParallelDims(**sizes)), model_dir, dict(VLLM_TEST_OPTIONS))
+    outs = [engine.generate(PROMPTS, {"greedy": True}, P, R)]
+    for version, path in enumerate(update_paths, 1):
+        engine.load_weights(iter(load_file(path).items()), version=version)
+        outs.append(engine.generate(PROMPTS, {"greedy": True}, P, R))
     sockets = [path for path in engine._left if os.path.dirname(path) == engine._sockets]
     engine.close()
     # vLLM binds a TP group's message-queue sockets as files on the group's first rank, and never removes them
@@ -279,37 +246,40 @@ def _rank_main(rank, world, sizes, model_dir, update_path, options, direct_path=
     return outs
 
 
-# d1t2 keeps CPU weights plain (updates copy into place), d2t2 packs them (updates repack)
-@pytest.mark.parametrize("dp, packed", [(1, False), (2, True)], ids=["d1t2-plain", "d2t2-packed"])
-def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp, packed):
-    """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch.
-    The second update is written into each rank's shard by replaying its recorded load (direct)."""
-    perturbed, again = perturb(checkpoint(tiny_model_dir), seed=1), perturb(checkpoint(tiny_model_dir), seed=3)
-    save_file(perturbed, tmp_path / "update.safetensors")
-    save_file(again, tmp_path / "direct.safetensors")
-    outs = run_ranks(_rank_main, 2 * dp, {"dp": dp, "tp": 2}, tiny_model_dir, str(tmp_path / "update.safetensors"),
-                     {"cpu_packed_weights": packed}, str(tmp_path / "direct.safetensors"), timeout=400)
+def updates(model_dir, folder, *seeds):
+    """Perturbed checkpoints saved as files (for ranks in other processes): [(state dict, path)]."""
+    out = []
+    for seed in seeds:
+        state = perturb(checkpoint(model_dir), seed=seed)
+        save_file(state, folder / f"update{seed}.safetensors")
+        out.append((state, str(folder / f"update{seed}.safetensors")))
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["d1t2", "d2t2"])
+def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp):
+    """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch."""
+    changes = updates(tiny_model_dir, tmp_path, 1, 3)
+    outs = run_ranks(_rank_main, 2 * dp, {"dp": dp, "tp": 2}, tiny_model_dir, *[path for _, path in changes],
+                     timeout=400)
     reference = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
-    ref_after, ref_direct = hf_model(tiny_model_dir, perturbed), hf_model(tiny_model_dir, again)
-    for before, after, direct in outs:  # both ranks of the one engine return the same batch
+    for before, *after in outs:  # both ranks of the one engine return the same batch
         assert torch.equal(before["responses"], reference["responses"])
         torch.testing.assert_close(before["rollout_logprobs"], reference["rollout_logprobs"], atol=1e-5, rtol=0)
-        for batch, model in ((after, ref_after), (direct, ref_direct)):
+        for batch, (state, _) in zip(after, changes):
             mask = batch["response_mask"].bool()
-            torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(model, batch)[mask],
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(batch["rollout_logprobs"][mask],
+                                       hf_logprobs(hf_model(tiny_model_dir, state), batch)[mask], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
-def test_moe_model_with_untied_head_takes_weight_updates(tmp_path, packed):
+def test_moe_model_with_untied_head_takes_weight_updates(tmp_path):
     from make_tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, tie_word_embeddings=False)
-    perturbed = perturb(checkpoint(model_dir), seed=2)
-    save_file(perturbed, tmp_path / "update.safetensors")
-    [(before, after)] = run_ranks(_rank_main, 1, {"dp": 1, "tp": 1}, model_dir, str(tmp_path / "update.safetensors"),
-                                  {"cpu_packed_weights": packed}, timeout=300)
-    for batch, model in ((before, hf_model(model_dir)), (after, hf_model(model_dir, perturbed))):
+    changes = updates(model_dir, tmp_path, 2, 4)
+    [outs] = run_ranks(_rank_main, 1, {"dp": 1, "tp": 1}, model_dir, *[path for _, path in changes], timeout=300)
+    for batch, state in zip(outs, [None] + [state for state, _ in changes]):
         mask = batch["response_mask"].bool()
-        torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(model, batch)[mask], atol=1e-4, rtol=0)
-    assert not torch.equal(before["responses"], after["responses"])
+        torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(hf_model(model_dir, state), batch)[mask],
+                                   atol=1e-4, rtol=0)
+    assert not torch.equal(outs[0]["responses"], outs[1]["responses"])

@@ -1,9 +1,8 @@
-"""Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train
-one step, the new weights stream into vLLM engines on a separate mesh (TP2 for the MoE model: its
-experts sharded; object store, or a gloo process group) and on the trainer's own ranks (in-process
-handoff), and vLLM's log-probs of what it samples then equal Megatron's; a later step's weights go
-straight into vLLM's parameters (direct writes). Plus the pieces alone: buckets, the shared-memory
-channel between two Ray actors, and the driver's protocol in one process."""
+"""Weight sync trainer -> rollout through the real stack: Megatron ranks (TP2, PP2, EP2 MoE, TP1) train a
+step, the new weights reach vLLM engines on a separate mesh (shared memory, or a gloo process group)
+and on the trainer's own ranks (in-process handoff), and vLLM's log-probs of what it samples then equal
+Megatron's; a corruption planted in the pipe is caught by the verification. Plus the pieces alone:
+buckets, each path between Ray actors, failures, and the decision table."""
 
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ import torch
 from siirl_dag.config import load_pipeline
 from siirl_dag.placement.allocation import parse_allocation
 from siirl_dag.runtime import Batch, PipelineError, Runtime
-from siirl_dag.weight_sync import WeightSync
-from siirl_dag.weight_sync.buckets import Buckets, from_wire, to_wire
+from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.path import Placed
+from siirl_dag.weight_sync.stream import Buckets
 
 PIPELINE = """\
 name: ws
@@ -36,20 +36,20 @@ nodes:
      options: {{lr: 1.0e-2, micro_batch_size: 2}}, params: {{mini_batch_size: 4, entropy_coeff: 0.5}}}}
   - {{id: colo_rollout, kind: rollout, mesh: colo, model: policy, weights_from: actor_update, options: {rollout}}}
   - {{id: colo_logprob, kind: logprob, deps: [colo_rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
-runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05}}
+runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05, weight_sync_path: {path}}}
 """
 # load_format dummy: random weights until the runtime's start-up sync (which the first assertion checks)
 ROLLOUT = ("{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true, "
            "load_format: dummy}")
 TRAIN_STEP = ["rollout", "reward", "advantage", "old_logprob", "actor_update"]
 LOGPROB_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
-# trainer layout -> (allocation, its world size, MoE model, transport between the separate meshes, the
-# separate rollout's allocation: the MoE one shards its experts over two TP ranks)
+# trainer layout -> (allocation, its world size, MoE model, path between the separate meshes, the separate
+# rollout's allocation: the MoE one shards its experts over two TP ranks)
 LAYOUTS = {
-    "tp1": ("d1", 1, False, "object_store", "d1"),
-    "tp2": ("t2", 2, False, "collective", "d1"),
-    "pp2": ("p2", 2, False, "object_store", "d1"),
-    "ep2": ("d2e2", 2, True, "collective", "t2"),
+    "tp1": ("d1", 1, False, "auto", "d1"),
+    "tp2": ("t2", 2, False, "process_group", "d1"),
+    "pp2": ("p2", 2, False, "shared_memory", "d1"),
+    "ep2": ("d2e2", 2, True, "process_group", "t2"),
 }
 
 
@@ -86,14 +86,35 @@ def assert_same_logprobs(batch: Batch) -> None:
     torch.testing.assert_close(batch["rollout_logprobs"][mask], batch["old_logprobs"][mask], atol=1e-4, rtol=0)
 
 
+def _zero_half_of_a_tensor(worker: RankWorker) -> None:
+    """Planted in a rollout rank's process: the pipe delivers the first bucket with half of its first
+    tensor zeroed (a shard lost in transit), once."""
+    from siirl_dag.weight_sync import shared_memory, process_group
+
+    for cls in (shared_memory.ChannelPipe, process_group.SyncGroup):
+        read = cls.read
+
+        def corrupted(self, read=read, cls=cls):
+            payload = read(self)
+            if isinstance(payload, list):
+                cls.read = read
+                name, t = payload[0]
+                payload[0] = (name, torch.cat([t.flatten()[: t.numel() // 2], t.new_zeros(t.numel() - t.numel() // 2)]).view(t.shape))
+            return payload
+
+        cls.read = corrupted
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_model_dir, moe_model_dir, layout):
-    train, world, moe, transport, gen = LAYOUTS[layout]
+    train, world, moe, path, gen = LAYOUTS[layout]
     f = tmp_path / "p.yaml"
-    devices = world + parse_allocation(f"vllm:{gen}")[0].world_size
+    devices = world + parse_allocation(f"vllm:{gen}")[0].dims.world_size
     f.write_text(PIPELINE.format(devices=devices, model=moe_model_dir if moe else tiny_model_dir, train=train,
-                                 world=world, gen=gen, rollout=ROLLOUT))
+                                 world=world, gen=gen, rollout=ROLLOUT, path=path))
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
+        expected = "shared_memory" if path == "auto" else path
+        assert rt.routes["rollout"].path == expected and rt.routes["colo_rollout"].path == "colocated"
         step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),
                           LOGPROB_INPUTS + ["rollout_logprobs", "old_logprobs"])
         assert_same_logprobs(step)  # rollout and trainer agree on the initial weights (start() synced them)
@@ -108,71 +129,33 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         mask = step["response_mask"].bool()
         assert (trained - step["old_logprobs"])[mask].abs().max() > 1e-2
 
-        metrics = WeightSync(rt)("actor_update", "rollout", 1, transport=transport)
-        assert metrics["sync/buckets"] > 5, "a small bucket size cuts the model into many buckets"
-        assert metrics["sync/bytes"] > 0 and metrics["sync/load_s"] > 0
-        # the export's time, apart: splitting fused q/k/v and gate/up into HF tensors, and the rest
-        assert metrics["sync/convert_s"] > 0 and metrics["sync/gather_s"] > 0
-        rt.synced["rollout"] = 1
-        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))  # the weights `transport` carried
-        colocated = rt.sync_weights()  # only the colocated rollout is behind now
-        # two consumers: each one's metrics under its own name
-        assert colocated["sync/colo_rollout/handoff_s"] > 0 and colocated["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
-        assert colocated["sync/colo_rollout/convert_s"] > 0
-        assert not any(k.startswith("sync/rollout/") for k in colocated)
-        rt.synced = {"rollout": 0, "colo_rollout": 0}
-        both = rt.sync_weights()
-        assert both["sync/rollout/bytes"] == both["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
-        assert both["timing_s/sync_weights"] >= both["sync/colo_rollout/handoff_s"] + both["sync/rollout/load_s"]
-        assert rt.synced == {"rollout": 1, "colo_rollout": 1}
+        # a shard lost in transit: the verification names the tensor, and the rollout refuses to generate
+        rt.backend.get([w.__ray_call__.remote(_zero_half_of_a_tensor) for w, _ in rt.roles["rollout"]])
+        with pytest.raises(PipelineError, match=r"weight sync 'actor_update' -> 'rollout' \(version 1, path "
+                                                rf"{expected}\) failed: .*tensor '[\w.]+' reached the engine with other values"):
+            rt.sync_weights()
+        with pytest.raises(PipelineError, match="would generate with weights version 0, older than version 1"):
+            rt.run_step(prompts(4), step=1, nodes=["rollout"])
 
+        both = rt.sync_weights()  # a new pipe, and the colocated rollout too
+        assert rt.synced == {"rollout": 1, "colo_rollout": 1}
+        assert both["sync/rollout/buckets"] > 5, "a small bucket size cuts the model into many buckets"
+        assert both["sync/rollout/bytes"] == both["sync/colo_rollout/bytes"] > 0
+        assert both["sync/rollout/load_s"] > 0 and both["sync/colo_rollout/handoff_s"] > 0
+        # the export's time, apart: splitting fused q/k/v and gate/up into HF tensors, and the rest
+        assert both["sync/rollout/convert_s"] > 0 and both["sync/rollout/gather_s"] > 0
+        assert both["timing_s/sync_weights"] >= both["sync/colo_rollout/handoff_s"] + both["sync/rollout/load_s"]
+        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))
         assert_same_logprobs(sampled_logprobs(rt, "colo_rollout", "colo_logprob", 8))
 
-        # the runtime's own pipe (object store) recorded the rollout's last load, and each colocated
-        # rank its engine's: after another update, the trainer's rank 0 writes straight into the
-        # separate rollout's parameters, and each trainer rank into its colocated engine's (an MoE
-        # rollout's experts too: they are prepacked back into the parameters they arrived in)
-        rt.run_step(prompts(12), step=2, nodes=TRAIN_STEP)
+        rt.run_step(prompts(12), step=2, nodes=TRAIN_STEP)  # a later step through the same pipe
         later = rt.sync_weights()
-        assert later["sync/rollout/write_s"] > 0 and "sync/rollout/buckets" not in later
-        assert later["sync/rollout/convert_s"] > 0 and later["sync/colo_rollout/write_s"] > 0
-        assert later["sync/rollout/bytes"] == later["sync/colo_rollout/bytes"] == metrics["sync/bytes"]
+        assert later["sync/rollout/bytes"] == later["sync/colo_rollout/bytes"] == both["sync/rollout/bytes"]
         assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 12))
         assert_same_logprobs(sampled_logprobs(rt, "colo_rollout", "colo_logprob", 16))
 
 
-# --- the streaming pieces alone ------------------------------------------------------------------
-
-def test_buckets_pull_only_what_the_next_bucket_needs():
-    pulled = []
-
-    def export():
-        for i in range(10):
-            pulled.append(i)
-            yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each
-
-    buckets = Buckets(export(), bucket_bytes=3 * 1024)
-    first = buckets.next()
-    assert [n for n, _ in first] == ["w0", "w1", "w2"] and pulled == [0, 1, 2]
-    rest = []
-    while (b := buckets.next()) is not None:
-        rest.append([n for n, _ in b])
-    assert rest == [["w3", "w4", "w5"], ["w6", "w7", "w8"], ["w9"]]
-    assert buckets.stats["sync/bytes"] == 10 * 1024 and buckets.stats["sync/buckets"] == 4
-    wire = to_wire([("b", torch.arange(4, dtype=torch.bfloat16))])
-    [(name, t)] = list(from_wire(wire))
-    assert name == "b" and t.dtype == torch.bfloat16 and t.tolist() == [0, 1, 2, 3]
-
-
-def test_buckets_never_exceed_their_size_and_a_larger_tensor_travels_alone():
-    sizes = [1, 2, 1, 5, 1, 1]  # KiB
-    export = ((f"w{i}", torch.zeros(256 * kib)) for i, kib in enumerate(sizes))
-    buckets = Buckets(export, bucket_bytes=3 * 1024)
-    got = []
-    while (b := buckets.next()) is not None:
-        got.append([n for n, _ in b])
-    assert got == [["w0", "w1"], ["w2"], ["w3"], ["w4", "w5"]]
-
+# --- the pieces alone, with engines that record what they get -----------------------------------------
 
 class RecordingEngine:
     """Consumes the weights iterator like an engine does; records what arrived (name and value, read
@@ -182,7 +165,7 @@ class RecordingEngine:
         self.loaded, self.values, self.version, self.fail_at, self.retain = [], [], 0, fail_at, retain
         self.kept, self.fail_once = [], fail_once
 
-    def load_weights(self, named, version, watch=None, cores=None):
+    def load_weights(self, named, version):
         for name, t in named:
             if name == self.fail_at:
                 self.fail_at = None if self.fail_once else name
@@ -192,6 +175,12 @@ class RecordingEngine:
             if self.retain:
                 self.kept.append(t)
         self.version = version
+
+    def offload(self):
+        pass
+
+    def onload(self):
+        pass
 
 
 class ExportingEngine:
@@ -207,43 +196,128 @@ class ExportingEngine:
             self.walked += 1
             yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each
 
+    def offload(self):
+        pass
 
-# --- rank to rank through a Ray shared-memory channel ---------------------------------------------
+    def onload(self):
+        pass
 
-def channel_sync(trainer_engine, *rollout_engines, syncs: int = 1):
-    """The keeper's `send` and each rollout rank's `receive` in Ray actors of their own, over one
-    channel made once and used `syncs` times; returns every part's result (or exception) per sync,
-    the keeper first, and the engines."""
+
+def test_buckets_pull_only_what_the_next_bucket_needs():
+    pulled = []
+
+    def export():
+        for i in range(10):
+            pulled.append(i)
+            yield f"w{i}", torch.full((256,), float(i))  # 1 KiB each
+
+    buckets = Buckets(export(), 3 * 1024, {})
+    first = buckets.next()
+    assert [n for n, _ in first] == ["w0", "w1", "w2"] and pulled == [0, 1, 2]
+    rest = []
+    while (b := buckets.next()) is not None:
+        rest.append([n for n, _ in b])
+    assert rest == [["w3", "w4", "w5"], ["w6", "w7", "w8"], ["w9"]]
+    assert buckets.stats["sync/bytes"] == 10 * 1024 and buckets.stats["sync/buckets"] == 4
+
+
+def test_buckets_never_exceed_their_size_and_a_larger_tensor_travels_alone():
+    sizes = [1, 2, 1, 5, 1, 1]  # KiB
+    buckets = Buckets(((f"w{i}", torch.zeros(256 * kib)) for i, kib in enumerate(sizes)), 3 * 1024, {})
+    got = []
+    while (b := buckets.next()) is not None:
+        got.append([n for n, _ in b])
+    assert got == [["w0", "w1"], ["w2"], ["w3"], ["w4", "w5"]]
+
+
+def _install(worker: RankWorker, key: str, engine) -> None:
+    worker.engines[key] = engine
+
+
+def _engine(worker: RankWorker, key: str):
+    return worker.engines[key]
+
+
+def _pipes(worker: RankWorker) -> list[str]:
+    return sorted(worker.pipes)
+
+
+def ray_worker(group: str, key: str, engine):
     import ray
 
-    from siirl_dag.weight_sync import RankSync
+    w = ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1)
+    ray.get(w.__ray_call__.remote(_install, key, engine))
+    return w
 
-    @ray.remote(num_cpus=0)
-    class Rank:
-        def __init__(self, engine):
-            self.sync = RankSync({"e": engine})
 
-        def op(self, name, *args):
-            return getattr(self.sync, name)(*args)
+def placed(backend, trainer, *rollouts, verify: bool = True) -> Placed:
+    return Placed("update", "rollout", backend, [(trainer, "t")], [(r, "r") for r in rollouts], 2048, verify, "cpu")
 
-        def engine(self):
-            return self.sync.engines["e"]
 
-    keeper, readers = Rank.remote(trainer_engine), [Rank.remote(e) for e in rollout_engines]
-    nodes = ray.get([r.op.remote("node") for r in readers])
-    pipe = ray.get(keeper.op.remote("open_channel", "p", list(zip(readers, nodes))))
-    ray.get([r.op.remote("attach", "p", pipe) for r in readers])
-    results = []
-    for version in range(1, syncs + 1):
-        calls = [keeper.op.remote("send", "e", 2048, "p")] + [r.op.remote("receive", "e", version, "p") for r in readers]
-        out = []
-        for call in calls:
-            try:
-                out.append(ray.get(call, timeout=60))
-            except ray.exceptions.RayTaskError as error:
-                out.append(error)
-        results.append(out)
-    return results, ray.get(keeper.engine.remote()), *ray.get([r.engine.remote() for r in readers])
+def ray_placed(trainer_engine, *rollout_engines, verify: bool = True) -> Placed:
+    from types import SimpleNamespace
+
+    from siirl_dag.runtime.backends import RayBackend
+
+    workers = [ray_worker("train", "t", trainer_engine)] + [ray_worker("gen", "r", e) for e in rollout_engines]
+    return placed(RayBackend(SimpleNamespace(runtime=SimpleNamespace(address=None))), *workers, verify=verify)
+
+
+def engines(pair: Placed) -> list:
+    import ray
+
+    return ray.get([w.__ray_call__.remote(_engine, key) for w, key in pair.trainer_ranks + pair.rollout_ranks])
+
+
+def pipes(pair: Placed) -> list:
+    import ray
+
+    return ray.get([w.__ray_call__.remote(_pipes) for w, _ in pair.trainer_ranks + pair.rollout_ranks])
+
+
+STREAMED = ["shared_memory", "process_group"]
+
+
+def streamed(name: str, pair: Placed):
+    from siirl_dag.weight_sync.process_group import ProcessGroup
+    from siirl_dag.weight_sync.shared_memory import SharedMemory
+
+    return {"shared_memory": SharedMemory, "process_group": ProcessGroup}[name](pair)
+
+
+@pytest.mark.parametrize("path", STREAMED)
+def test_every_bucket_reaches_every_rollout_rank_sync_after_sync_though_the_engine_keeps_references(path):
+    pair = ray_placed(ExportingEngine(9), RecordingEngine(), RecordingEngine(retain=True))
+    sync = streamed(path, pair)
+    for version in (1, 2, 3):
+        stats = sync.sync(version)
+        assert stats["sync/buckets"] == 5 and stats["sync/bytes"] == 9 * 1024 and stats["sync/load_s"] > 0
+    for rollout in engines(pair)[1:]:
+        assert rollout.loaded == [f"w{i}" for i in range(9)] * 3 and rollout.version == 3
+        assert rollout.values == [float(i) for i in range(9)] * 3, "each tensor holds its own data when loaded"
+
+
+@pytest.mark.parametrize("path", STREAMED)
+def test_a_failed_load_still_takes_the_whole_stream_and_close_retires_the_pipe_on_every_rank(path):
+    pair = ray_placed(ExportingEngine(40), RecordingEngine(fail_at="w3", fail_once=True))
+    sync = streamed(path, pair)
+    with pytest.raises(Exception, match="no parameter w3"):
+        sync.sync(1)
+    trainer, rollout = engines(pair)
+    assert trainer.walked == 40, "the trainer's export is walked to its end" and rollout.version == 0
+    assert all(len(p) == 1 for p in pipes(pair))
+    sync.close()  # what the runtime does with a path that failed
+    assert pipes(pair) == [[], []]
+    assert streamed(path, pair).sync(2)["sync/buckets"] == 20  # the next path makes a new pipe
+    assert engines(pair)[1].version == 2
+
+
+def test_a_failed_export_fails_the_load_and_keeps_the_old_version():
+    pair = ray_placed(ExportingEngine(40, fail_at=7), RecordingEngine())
+    with pytest.raises(Exception, match="gather failed"):
+        streamed("shared_memory", pair).sync(1)
+    _, rollout = engines(pair)
+    assert rollout.version == 0 and rollout.loaded == [f"w{i}" for i in range(6)]  # w6 was in the failed bucket
 
 
 def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
@@ -251,87 +325,123 @@ def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
     from test_leftovers import planted
 
     with planted("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
-        [(sent, received)], _, _ = channel_sync(ExportingEngine(3), RecordingEngine())
-        assert received["sync/load_s"] > 0
+        streamed("shared_memory", ray_placed(ExportingEngine(3), RecordingEngine())).sync(1)
         assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
 
 
-def test_channel_carries_every_bucket_sync_after_sync_though_the_engine_keeps_references():
-    results, trainer, rollout = channel_sync(ExportingEngine(9), RecordingEngine(retain=True), syncs=3)
-    for sent, received in results:
-        assert sent["sync/buckets"] == 5 and sent["sync/bytes"] == 9 * 1024 and received["sync/load_s"] > 0
-    assert rollout.loaded == [f"w{i}" for i in range(9)] * 3 and rollout.version == 3
-    assert rollout.values == [float(i) for i in range(9)] * 3, "each tensor holds its own data when loaded"
+def test_a_restarted_rollout_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go():
+    pair = ray_placed(ExportingEngine(6), RecordingEngine())
+    old = streamed("shared_memory", pair)
+    old.sync(1)
+    old.close()  # what Runtime._restart_group does before it replaces the rollout's workers
+    new_worker = ray_worker("gen", "r", RecordingEngine())
+    new = streamed("shared_memory", placed(pair.backend, pair.trainer_ranks[0][0], new_worker))
+    assert new.sync(2)["sync/buckets"] == 3
+    trainer_pipes, old_pipes = pipes(pair)
+    assert trainer_pipes == [new.name] and old_pipes == []
 
 
-def test_channel_feeds_every_bucket_to_every_rollout_rank():
-    results, _, *rollouts = channel_sync(ExportingEngine(9), RecordingEngine(), RecordingEngine(retain=True), syncs=2)
-    assert all(not isinstance(part, Exception) for parts in results for part in parts)
-    for rollout in rollouts:
-        assert rollout.values == [float(i) for i in range(9)] * 2 and rollout.version == 2
+# --- in one process (runtime.backend=local), and verification -------------------------------------------
 
-
-def test_channel_a_failed_load_still_takes_the_whole_stream():
-    [(sent, received)], trainer, rollout = channel_sync(ExportingEngine(40), RecordingEngine(fail_at="w3"))
-    assert sent["sync/buckets"] == 20 and trainer.walked == 40, "the trainer's export is walked to its end"
-    assert "no parameter w3" in str(received) and rollout.version == 0
-
-
-def test_channel_a_failed_export_fails_the_load_and_keeps_the_old_version():
-    [(sent, received)], trainer, rollout = channel_sync(ExportingEngine(40, fail_at=7), RecordingEngine())
-    assert "gather failed" in str(sent)
-    assert "the trainer's weight export failed" in str(received) and "gather failed" in str(received)
-    assert rollout.version == 0 and rollout.loaded == [f"w{i}" for i in range(6)]  # w6 was in the failed bucket
-
-
-# --- the driver's stream protocol, with recording engines -----------------------------------------
-
-def sync_runtime(backend, trainer, *rollouts):
-    """What WeightSync reads of a Runtime: one trainer rank (engine "t") and rollout ranks ("r") on
-    one machine of two devices."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(backend=backend, roles={"update": [(trainer, SimpleNamespace(engine_key="t"))],
-                                                   "rollout": [(r, SimpleNamespace(engine_key="r")) for r in rollouts]},
-                           pipe=SimpleNamespace(runtime=SimpleNamespace(weight_sync_bucket_mb=2 / 1024, address=None,
-                                                                        cpus_per_rank=1),
-                                                cluster=SimpleNamespace(device="cpu", nodes=1, devices_per_node=2),
-                                                nodes={"rollout": SimpleNamespace(mesh="gen")},
-                                                plan=SimpleNamespace(meshes={"gen": _mesh([0] * len(rollouts))})))
-
-
-def _mesh(machines):
-    """A placed mesh whose ranks sit on these machines."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(ranks=[SimpleNamespace(machine=m) for m in machines])
-
-
-def test_rollout_ranks_finish_their_loads_with_the_cores_of_their_machine():
-    """A sync runs while every other rank waits: each machine's cores are split among its rollout
-    ranks (vLLM's CPU re-pack scales with threads); GPUs and one process keep their own threads."""
-    from types import SimpleNamespace
-
-    rt = sync_runtime(SimpleNamespace(name="ray"), None, None)
-    rt.pipe.cluster.devices_per_node, rt.pipe.runtime.cpus_per_rank = 4, 2
-    rt.pipe.plan.meshes["gen"] = _mesh([0, 0, 0, 1])
-    assert WeightSync(rt)._cores("rollout") == [2, 2, 2, 8]
-    rt.pipe.runtime.cpus_per_rank = 0.5
-    assert WeightSync(rt)._cores("rollout") == [1, 1, 1, 2]
-    rt.backend.name = "local"
-    assert WeightSync(rt)._cores("rollout") == [None] * 4
-    rt.backend.name, rt.pipe.cluster.device = "ray", "cuda"
-    assert WeightSync(rt)._cores("rollout") == [None] * 4
-
-
-def stream_sync(trainer_engine, rollout_engine):
-    """One sync in process (runtime.backend=local)."""
+def local_sync(trainer_engine, rollout_engine, verify: bool = True, version: int = 7):
     from siirl_dag.runtime.backends import LocalBackend
-    from siirl_dag.runtime.worker import RankWorker
+    from siirl_dag.weight_sync.in_process import InProcess
 
     trainer, rollout = RankWorker("train", 0, 1), RankWorker("gen", 0, 1)
     trainer.engines["t"], rollout.engines["r"] = trainer_engine, rollout_engine
-    return WeightSync(sync_runtime(LocalBackend(None), trainer, rollout))("update", "rollout", 7)
+    return InProcess(placed(LocalBackend(None), trainer, rollout, verify=verify)).sync(version)
+
+
+def test_in_process_delivers_every_bucket_in_order_and_stamps_the_version():
+    engine = RecordingEngine()
+    metrics = local_sync(ExportingEngine(6), engine)
+    assert engine.loaded == [f"w{i}" for i in range(6)] and engine.version == 7
+    assert metrics["sync/buckets"] == 3 and metrics["sync/bytes"] == 6 * 1024 and metrics["sync/verify_s"] > 0
+
+
+def test_a_failed_load_drains_the_trainers_export_and_keeps_the_old_version():
+    engine, trainer = RecordingEngine(fail_at="w3"), ExportingEngine(40)
+    with pytest.raises(KeyError, match="no parameter w3"):
+        local_sync(trainer, engine)
+    assert engine.version == 0 and engine.loaded == ["w0", "w1", "w2"]
+    assert trainer.walked == 40, "the trainer's export (collective on its ranks) is walked to its end"
+
+
+@pytest.fixture
+def dropping_the_second_bucket(monkeypatch):
+    from siirl_dag.weight_sync.in_process import LocalPipe
+
+    read, seen = LocalPipe.read, []
+
+    def dropping(self):
+        payload = read(self)
+        seen.append(payload)
+        return read(self) if len(seen) == 2 else payload
+
+    monkeypatch.setattr(LocalPipe, "read", dropping)
+
+
+def test_a_skipped_bucket_is_caught_and_named(dropping_the_second_bucket):
+    from siirl_dag.weight_sync.fingerprints import SyncMismatch
+
+    engine = RecordingEngine()
+    with pytest.raises(SyncMismatch, match=r"2 tensor\(s\) the trainer sent never reached the engine, first 'w2'"):
+        local_sync(ExportingEngine(6), engine)
+    assert engine.version == 0, "a load that did not verify is not stamped"
+
+
+def test_without_verification_a_skipped_bucket_goes_unnoticed(dropping_the_second_bucket):
+    engine = RecordingEngine()
+    local_sync(ExportingEngine(6), engine, verify=False)
+    assert engine.loaded == ["w0", "w1", "w4", "w5"] and engine.version == 7
+
+
+def test_a_changed_value_is_named_with_its_tensor():
+    from siirl_dag.weight_sync.fingerprints import Fingerprints, SyncMismatch
+
+    sent, got = Fingerprints(), Fingerprints()
+    for name, t in (("a", torch.arange(100.0)), ("b", torch.ones(3, 40))):
+        sent.add(name, t)
+        got.add(name, t.clone())
+    got.check(sent.on_host())
+    shard = torch.ones(3, 40)
+    shard[2:] = 0  # the last third zeroed
+    got.add("b", shard)
+    with pytest.raises(SyncMismatch, match=r"tensor 'b' reached the engine with other values than the trainer sent "
+                                           r"\(sampled element 11 of 16: 0.0 received, 1.0 sent"):
+        got.check(sent.on_host())
+
+
+def test_a_failed_colocated_load_still_walks_the_trainers_export_to_its_end():
+    from siirl_dag.weight_sync.stream import handoff
+
+    trainer, engine = ExportingEngine(40), RecordingEngine(fail_at="w3")
+    with pytest.raises(KeyError, match="no parameter w3"):
+        handoff(trainer, engine, 1)
+    assert trainer.walked == 40, "the other trainer ranks are not left waiting in the export's collectives"
+    assert engine.version == 0
+
+
+def test_a_sync_puts_the_exporting_trainer_on_the_device_first():
+    """A third engine of the rank (a critic that updated after the actor, say) held the device: the
+    trainer's parameters must be back before its export reads them."""
+    events = []
+
+    def resident(engine, name):
+        engine.onload, engine.offload = (lambda: events.append(f"{name} on")), (lambda: events.append(f"{name} off"))
+        return engine
+
+    worker = RankWorker("train", 0, 1)
+    worker.engines = {"t": resident(ExportingEngine(2), "t"), "r": resident(RecordingEngine(), "r"),
+                      "c": resident(RecordingEngine(), "c")}
+    worker.active = "c"
+    worker.handoff_weights("t", "r", 1)
+    assert events == ["c off", "t on", "r on", "t off"] and worker.active == "r"
+    assert worker.engines["r"].loaded == ["w0", "w1"]
+    events.clear()
+    worker.active = "c"
+    worker.walk_export("t")
+    assert events == ["c off", "t on"] and worker.active == "t"
 
 
 def _group_member(rank: int, port: int, results) -> None:
@@ -339,7 +449,7 @@ def _group_member(rank: int, port: int, results) -> None:
     import signal
     import time
 
-    from siirl_dag.weight_sync.collective import SyncGroup
+    from siirl_dag.weight_sync.process_group import SyncGroup
 
     group, t0 = SyncGroup("127.0.0.1", port, rank, 3, "cpu"), time.monotonic()
     if rank == 2:
@@ -359,7 +469,7 @@ def _group_member(rank: int, port: int, results) -> None:
             time.sleep(90)  # still holding the group, as a failed sync's traceback may
 
 
-def test_readers_of_a_collective_whose_reader_died_fail_at_once_not_after_the_timeout():
+def test_readers_of_a_process_group_whose_reader_died_fail_at_once_not_after_the_timeout():
     import multiprocessing as mp
 
     from dist_utils import _free_port
@@ -376,108 +486,3 @@ def test_readers_of_a_collective_whose_reader_died_fail_at_once_not_after_the_ti
             member.kill()
     assert "Connection closed" in got[0][0], "the writer finds the dead reader"
     assert "Connection closed" in got[1][0] and got[1][1] < 30, "the other reader is let go when the writer closes"
-
-
-def _install(worker, key, engine):
-    worker.engines[key] = engine
-
-
-def _pipes(worker):
-    return sorted(worker._weight_sync.pipes) if worker._weight_sync else []
-
-
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_a_failed_sync_retires_its_pipe_on_every_rank_and_the_next_sync_makes_a_new_one(transport):
-    import ray
-
-    from siirl_dag.runtime.backends import RayBackend
-    from siirl_dag.runtime.worker import RankWorker
-
-    trainer, rollout = (ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1) for group in ("train", "gen"))
-    ray.get([trainer.__ray_call__.remote(_install, "t", ExportingEngine(6)),
-             rollout.__ray_call__.remote(_install, "r", RecordingEngine(fail_at="w3", fail_once=True))])
-    rt = sync_runtime(None, trainer, rollout)
-    rt.backend = RayBackend(rt.pipe)
-    sync = WeightSync(rt)
-    with pytest.raises(KeyError, match="no parameter w3"):
-        sync("update", "rollout", 1, transport=transport)
-    assert ray.get([w.__ray_call__.remote(_pipes) for w in (trainer, rollout)]) == [[], []]
-    metrics = sync("update", "rollout", 2, transport=transport)
-    assert metrics["sync/buckets"] == 3
-    engine = ray.get(rollout.__ray_call__.remote(lambda w: w.engines["r"]))
-    assert engine.version == 2 and engine.loaded == ["w0", "w1", "w2"] + [f"w{i}" for i in range(6)]
-    pipes = ray.get([w.__ray_call__.remote(_pipes) for w in (trainer, rollout)])
-    assert pipes[0] == pipes[1] and len(pipes[0]) == 1
-
-
-def test_a_restarted_rollout_group_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go():
-    import ray
-
-    from siirl_dag.runtime.backends import RayBackend
-    from siirl_dag.runtime.worker import RankWorker
-
-    def worker(group, key, engine):
-        w = ray.remote(RankWorker).options(num_cpus=0).remote(group, 0, 1)
-        ray.get(w.__ray_call__.remote(_install, key, engine))
-        return w
-
-    trainer, old = worker("train", "t", ExportingEngine(6)), worker("gen", "r", RecordingEngine())
-    rt = sync_runtime(None, trainer, old)
-    rt.backend = RayBackend(rt.pipe)
-    sync = WeightSync(rt)
-    sync("update", "rollout", 1)
-    first = ray.get(trainer.__ray_call__.remote(_pipes))
-    new = worker("gen", "r", RecordingEngine())
-    rt.roles["rollout"] = [(new, rt.roles["rollout"][0][1])]  # what Runtime._restart_group does
-    assert sync("update", "rollout", 2)["sync/buckets"] == 3
-    pipes = ray.get([w.__ray_call__.remote(_pipes) for w in (trainer, new, old)])
-    assert pipes[0] == pipes[1] and len(pipes[0]) == 1 and pipes[0] != first and pipes[2] == []
-
-
-def test_stream_delivers_every_bucket_in_order_and_stamps_the_version():
-    engine = RecordingEngine()
-    metrics = stream_sync(ExportingEngine(6), engine)
-    assert engine.loaded == [f"w{i}" for i in range(6)] and engine.version == 7
-    assert metrics["sync/buckets"] == 3 and metrics["sync/bytes"] == 6 * 1024 and metrics["sync/load_s"] > 0
-
-
-def test_a_failed_load_drains_the_trainers_export_and_keeps_the_old_version():
-    engine, trainer = RecordingEngine(fail_at="w3"), ExportingEngine(40)
-    with pytest.raises(KeyError, match="no parameter w3"):
-        stream_sync(trainer, engine)
-    assert engine.version == 0 and engine.loaded == ["w0", "w1", "w2"]
-    assert trainer.walked == 40, "the trainer's export (collective on its ranks) is walked to its end"
-
-
-def test_a_failed_colocated_load_still_walks_the_trainers_export_to_its_end():
-    from siirl_dag.weight_sync.rank import handoff
-
-    trainer, engine = ExportingEngine(40), RecordingEngine(fail_at="w3")
-    with pytest.raises(KeyError, match="no parameter w3"):
-        handoff(trainer, engine, 1)
-    assert trainer.walked == 40, "the other trainer ranks are not left waiting in the export's collectives"
-    assert engine.version == 0
-
-
-def test_a_sync_puts_the_exporting_trainer_on_the_device_first():
-    """A third engine of the rank (a critic that updated after the actor, say) held the device: the
-    trainer's parameters must be back before its export reads them."""
-    from siirl_dag.runtime.worker import RankWorker
-
-    events = []
-
-    def resident(engine, name):
-        engine.onload, engine.offload = (lambda: events.append(f"{name} on")), (lambda: events.append(f"{name} off"))
-        return engine
-
-    worker = RankWorker("train", 0, 1)
-    worker.engines = {"t": resident(ExportingEngine(2), "t"), "r": resident(RecordingEngine(), "r"),
-                      "c": resident(RecordingEngine(), "c")}
-    worker.active = "c"
-    worker.sync_handoff("t", "r", 1)
-    assert events == ["c off", "t on", "r on", "t off"] and worker.active == "r"
-    assert worker.engines["r"].loaded == ["w0", "w1"]
-    events.clear()
-    worker.active = "c"
-    worker.weight_sync("export", "t", 2048)
-    assert events == ["c off", "t on"] and worker.active == "t"

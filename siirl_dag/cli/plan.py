@@ -8,6 +8,7 @@ import sys
 from siirl_dag.config import load_pipeline
 from siirl_dag.errors import ConfigError
 from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
+from siirl_dag.weight_sync.routes import routes_json
 
 
 def _alloc(spec: str, as_json: bool) -> int:
@@ -33,7 +34,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
                           "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh} for n in pipe.nodes.values()},
-                          "warnings": [w.to_json() for w in pipe.warnings]}, indent=2))
+                          "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings]}, indent=2))
         return 0
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
@@ -41,6 +42,8 @@ def main(args) -> int:
     for n in pipe.nodes.values():
         where = f"{n.strategy} on mesh '{n.mesh}' ({pipe.meshes[n.mesh].alloc})" if n.strategy else "cpu (driver side)"
         print(f"  {n.id:<16} {n.kind:<14} {where}")
+    for r in routes_json(pipe):
+        print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']})")
     if pipe.plan:
         print()
         print(pipe.plan.table())

@@ -6,6 +6,7 @@ import json
 import sys
 
 from siirl_dag.config import Pipeline, load_pipeline
+from siirl_dag.weight_sync.routes import routes
 
 
 def summary(pipe: Pipeline) -> str:
@@ -16,13 +17,14 @@ def summary(pipe: Pipeline) -> str:
              f"response <= {pipe.data.max_response_length} tokens"]
     for m in pipe.meshes.values():
         extra = f" colocated with {m.colocate_with}" if m.colocate_with else ""
-        size = f" ({pipe.plan.meshes[m.name].component.world_size} devices)" if pipe.plan else ""
+        size = f" ({pipe.plan.meshes[m.name].dims.world_size} devices)" if pipe.plan else ""
         lines.append(f"  mesh {m.name}: {m.alloc}{size}{extra}")
     lines.append("  nodes (execution order):")
+    paths = routes(pipe)
     for n in pipe.nodes.values():
         where = f" [{n.strategy} @ {n.mesh}]" if n.strategy else " [cpu]"
         deps = f" <- {', '.join(n.deps)}" if n.deps else ""
-        sync = f"; weights from {n.weights_from}" if n.weights_from else ""
+        sync = f"; weights from {n.weights_from} ({paths[n.id].path})" if n.id in paths else ""
         produces = ", ".join(pipe.produces(n.id)) or "(metrics)"
         lines.append(f"    {n.id}: {n.kind}{where}{deps} -> {produces}{sync}")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from siirl_dag.graph import build_graph, check_data_flow, check_structure, topol
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.registry import DTYPE_OPTIONS, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
+from siirl_dag.weight_sync.routes import problems as sync_route_problems
 
 
 def _errors(problems: list[Problem]) -> list[Problem]:
@@ -292,7 +293,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     if place and not _errors(problems):
         try:
             pipe.plan = place_meshes(pipe.cluster, _mesh_requests(pipe, components))
-            problems += pipe.plan.warnings
+            problems += pipe.plan.warnings + sync_route_problems(pipe)
         except ConfigError as exc:
             problems += exc.problems
     if not _errors(problems):

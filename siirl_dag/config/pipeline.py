@@ -18,6 +18,7 @@ from siirl_dag.config.yaml_loader import locate
 from siirl_dag.errors import ConfigError, Problem, format_path
 from siirl_dag.placement.plan import ClusterSpec, Plan
 from siirl_dag.registry import NodeKind
+from siirl_dag.weight_sync.routes import routes_json
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,8 @@ class RuntimeSpec:
     backend: str
     address: str | None
     staleness: int
+    weight_sync_path: str  # weight_sync.routes.REQUESTABLE
+    verify_sync: bool
     weight_sync_bucket_mb: float
     cpus_per_rank: float
     stop_grace_s: float
@@ -194,15 +197,11 @@ class Pipeline:
                 n *= int(self.nodes[up].options.get("n", 1))
         return n
 
-    def mesh_sizes(self, node_id: str) -> dict[str, int] | None:
+    def data_parallel_size(self, node_id: str) -> int:
         mesh = self.nodes[node_id].mesh
         if mesh is None or self.plan is None or mesh not in self.plan.meshes:
-            return None
-        return self.plan.meshes[mesh].sizes
-
-    def data_parallel_size(self, node_id: str) -> int:
-        sizes = self.mesh_sizes(node_id)
-        return sizes["dp"] if sizes else 1
+            return 1
+        return self.plan.meshes[mesh].dims.dp
 
     def micro_batch_size(self, node_id: str) -> int | None:
         return self.nodes[node_id].options.get("micro_batch_size")
@@ -220,5 +219,6 @@ class Pipeline:
                        "produces": list(self.produces(n.id)), "options": n.options, "params": n.params}
                       for n in self.nodes.values()],
             "plan": self.plan.to_json() if self.plan else None,
+            "weight_sync": routes_json(self),
             "warnings": [w.to_json() for w in self.warnings],
         }

@@ -1,6 +1,7 @@
 """Allocation strings -> components -> meshes -> ranks on (machine, device).
 
-Read in this order: `allocation` (the string language), `ranks` (megatron-core's rank grids),
+Read in this order: `parallel_dims` (one mesh's sizes, checked once), `allocation` (the string
+language), `ranks` (megatron-core's rank grids),
 `rules` (strategy options vs mesh), `layout` (devices for every mesh), `plan` (the result).
 """
 
@@ -12,6 +13,7 @@ from siirl_dag.placement.allocation import (
     parse_allocation,
 )
 from siirl_dag.placement.layout import MeshRequest, place
+from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.placement.plan import ClusterSpec, MeshPlan, Plan, RankSlot
 from siirl_dag.placement.ranks import inference_coords, rank_coords, rank_groups
 
@@ -20,6 +22,7 @@ __all__ = [
     "Component",
     "MeshPlan",
     "MeshRequest",
+    "ParallelDims",
     "Plan",
     "RankSlot",
     "allocation_world_size",

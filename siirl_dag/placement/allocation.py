@@ -5,9 +5,8 @@
     component  := backend ["[" name "]"] ":" (dims | "(" "attn:" dims "|" "ffn:" dims ")")
     dims       := (letter positive-int)+         letters d t p c e, each at most once
 
-`|` binds tighter than `+`. world_size = d*t*p*c; e (expert parallel) adds no devices, it splits
-the experts across the existing mesh. The expert grid follows megatron-core:
-edp = world / (p * etp * e).
+`|` binds tighter than `+`. Each component's sizes are a `ParallelDims` (world_size = d*t*p*c; e
+adds no devices, it splits the experts across the existing mesh; edp = world / (p * etp * e)).
 
 Expert tensor parallel (etp), which the string cannot spell outside MoE folding:
 - plain string with e > 1 (`megatron:d4t2e4`): etp = 1, AReaL's default (expert weights not
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from siirl_dag.errors import ConfigError, PathPart, Problem
+from siirl_dag.placement.parallel_dims import ParallelDims
 
 BACKEND_DIMS = {
     "vllm": "dtp",
@@ -55,22 +55,9 @@ class Component:
 
     backend: str
     name: str | None
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
+    dims: ParallelDims = ParallelDims()
     colocated_with: str | None = None
     text: str = field(default="", compare=False)  # the component as written, for messages
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def edp(self) -> int:
-        return self.world_size // (self.pp * self.etp * self.ep)
 
     @property
     def label(self) -> str:
@@ -79,24 +66,14 @@ class Component:
 
 
 def component_to_json(c: Component) -> dict:
-    return {
-        "backend": c.backend,
-        "name": c.name,
-        "dp": c.dp,
-        "tp": c.tp,
-        "pp": c.pp,
-        "cp": c.cp,
-        "ep": c.ep,
-        "etp": c.etp,
-        "edp": c.edp,
-        "world_size": c.world_size,
-        "colocated_with": c.colocated_with,
-    }
+    dims = c.dims.to_json()
+    del dims["vpp"]  # not a size of the allocation string
+    return {"backend": c.backend, "name": c.name, **dims, "colocated_with": c.colocated_with}
 
 
 def allocation_world_size(components: Iterable[Component]) -> int:
     """Devices claimed: colocated members share their anchor's devices and count once."""
-    return sum(c.world_size for c in components if c.colocated_with is None)
+    return sum(c.dims.world_size for c in components if c.colocated_with is None)
 
 
 def check_backend_supported(
@@ -179,14 +156,10 @@ def _folded(backend: str, body: str) -> dict[str, int]:
     if ffn.get("p", pp) != pp:
         raise _Bad(f"p must be equal in attn and ffn (attn p{pp}, ffn p{ffn['p']})")
     world = dp * tp * pp * cp
-    if "d" in ffn:
-        if ffn["d"] * etp * ep * pp != world:
-            raise _Bad(f"attn and ffn must cover the same devices (attn d*t*p*c = {world}, "
-                       f"ffn d*t*p*e = {ffn['d'] * etp * ep * pp})")
-    elif world % (etp * ep * pp):
-        raise _Bad(f"cannot derive ffn d: attn world size {world} is not divisible by "
-                   f"ffn t*p*e = {etp * ep * pp}")
-    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}
+    if "d" in ffn and ffn["d"] * etp * ep * pp != world:
+        raise _Bad(f"attn and ffn must cover the same devices (attn d*t*p*c = {world}, "
+                   f"ffn d*t*p*e = {ffn['d'] * etp * ep * pp})")
+    return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}  # ffn's d when omitted: the edp
 
 
 def _component(text: str) -> Component:
@@ -208,12 +181,11 @@ def _component(text: str) -> Component:
         sizes = {"dp": d.get("d", 1), "tp": d.get("t", 1), "pp": d.get("p", 1), "cp": d.get("c", 1),
                  "ep": d.get("e", 1)}
         sizes["etp"] = 1 if sizes["ep"] > 1 else sizes["tp"]
-        world = sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["cp"]
-        if world % (sizes["pp"] * sizes["etp"] * sizes["ep"]):
-            raise _Bad(f"e{sizes['ep']} does not fit: expert data parallel = world {world} / "
-                       f"(p * expert t * e) = {world} / {sizes['pp'] * sizes['etp'] * sizes['ep']} "
-                       "must be a whole number")
-    return Component(backend=backend, name=name, text=text.strip(), **sizes)
+    try:
+        dims = ParallelDims(**sizes)
+    except ValueError as exc:
+        raise _Bad(str(exc)) from None
+    return Component(backend=backend, name=name, dims=dims, text=text.strip())
 
 
 def parse_allocation(spec: str, path: Sequence[PathPart] = ()) -> list[Component]:
@@ -268,9 +240,9 @@ def parse_allocation(spec: str, path: Sequence[PathPart] = ()) -> list[Component
             if len(group) > 1 and c.name is None and len(flat) < 3:
                 bad("needs a name, as in backend[name]:dims (members of a '|' colocation group are named)",
                     c.text)
-            if c.world_size != anchor.world_size:
+            if c.dims.world_size != anchor.dims.world_size:
                 bad(f"colocated components need equal world sizes ({anchor.label!r} has "
-                    f"{anchor.world_size}, {c.label!r} has {c.world_size})", c.text)
+                    f"{anchor.dims.world_size}, {c.label!r} has {c.dims.world_size})", c.text)
             out.append(c if i == 0 else replace(c, colocated_with=anchor.name))
     if problems:
         raise ConfigError(problems)

@@ -68,9 +68,9 @@ def place(cluster: ClusterSpec, requests: Sequence[MeshRequest]) -> Plan:
     valid = list(by_name.values())
     anchors = _resolve_anchors(valid, by_name, problems)
     own = [r for r in valid if anchors[r.name] == r.name]
-    need = sum(r.component.world_size for r in own)
+    need = sum(r.component.dims.world_size for r in own)
     if need > cluster.total:
-        detail = ", ".join(f"{r.name}: {r.component.world_size}" for r in own)
+        detail = ", ".join(f"{r.name}: {r.component.dims.world_size}" for r in own)
         problems.append(Problem((), f"the pipeline needs {need} devices ({detail}; colocated meshes "
                                     f"share), the cluster has {cluster.total} ({cluster.describe()})"))
     devices = {} if problems else _assign(cluster, valid, anchors, problems, warnings)
@@ -107,10 +107,10 @@ def _resolve_anchors(requests, by_name, problems) -> dict[str, str]:
             seen.append(target.name)
             cur = target
         anchors[req.name] = cur.name
-        if cur is not req and cur.component.world_size != req.component.world_size:
+        if cur is not req and cur.component.dims.world_size != req.component.dims.world_size:
             problems.append(Problem(req.path, (
-                f"mesh {req.name!r} ({req.component.world_size} devices) is colocated with {cur.name!r} "
-                f"({cur.component.world_size} devices); colocated meshes need equal world sizes")))
+                f"mesh {req.name!r} ({req.component.dims.world_size} devices) is colocated with {cur.name!r} "
+                f"({cur.component.dims.world_size} devices); colocated meshes need equal world sizes")))
     return anchors
 
 
@@ -135,7 +135,7 @@ def _assign(cluster, requests, anchors, problems, warnings) -> dict[str, list[in
     for req in requests:
         if req.devices is not None or anchors[req.name] != req.name:
             continue
-        c = req.component
+        c = req.component.dims
         block = math.lcm(c.tp, c.etp)
         got = _first_fit(free, c.world_size, block) if block <= dpn else None
         if got is None and req.allow_tp_across_machines:
@@ -180,9 +180,9 @@ def _explicit_ok(cluster, req, problems) -> bool:
         dup = sorted(d for d, n in Counter(devs).items() if n > 1)
         if dup:
             bad.append(f"devices {dup} are listed more than once")
-    if len(devs) != req.component.world_size:
+    if len(devs) != req.component.dims.world_size:
         bad.append(f"{len(devs)} devices listed, the allocation {req.component.text!r} needs "
-                   f"{req.component.world_size}")
+                   f"{req.component.dims.world_size}")
     problems += [Problem(path, f"mesh {req.name!r}: {b}") for b in bad]
     return not bad
 
@@ -202,10 +202,11 @@ def _first_fit(free: list[list[int]], world: int, block: int) -> list[int] | Non
 
 
 def _tp_groups(c: Component) -> list[list[int]]:
+    d = c.dims
     if c.backend in INFERENCE_BACKENDS:
-        return [list(range(i, i + c.tp)) for i in range(0, c.world_size, c.tp)]
-    groups = rank_groups(c.world_size, c.tp, c.pp, c.cp, c.ep, c.etp)
-    return groups["tp"] + (groups["etp"] if c.etp != c.tp else [])
+        return [list(range(i, i + d.tp)) for i in range(0, d.world_size, d.tp)]
+    groups = rank_groups(d)
+    return groups["tp"] + (groups["etp"] if d.etp != d.tp else [])
 
 
 def _check_tp_groups(cluster, req, devices, problems, warnings) -> None:
@@ -228,9 +229,6 @@ def _mesh_plan(cluster, req, devices, colocated_with) -> MeshPlan:
     c, dpn = req.component, cluster.devices_per_node
     ranks = []
     for r, d in enumerate(devices):
-        if c.backend in INFERENCE_BACKENDS:
-            coords = inference_coords(r, c.tp, c.pp)
-        else:
-            coords = rank_coords(r, c.world_size, c.tp, c.pp, c.cp, c.ep, c.etp)
+        coords = inference_coords(r, c.dims) if c.backend in INFERENCE_BACKENDS else rank_coords(r, c.dims)
         ranks.append(RankSlot(rank=r, device=d, machine=d // dpn, local_device=d % dpn, coords=coords))
     return MeshPlan(name=req.name, component=c, devices=list(devices), ranks=ranks, colocated_with=colocated_with)

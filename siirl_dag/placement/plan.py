@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from siirl_dag.errors import Problem
 from siirl_dag.placement.allocation import Component, component_to_json
+from siirl_dag.placement.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,14 @@ class MeshPlan:
         return self.component.backend
 
     @property
-    def sizes(self) -> dict:
-        return component_to_json(self.component)
+    def dims(self) -> ParallelDims:
+        return self.component.dims
 
     def to_json(self) -> dict:
         return {
             "name": self.name,
             "backend": self.backend,
-            "sizes": self.sizes,
+            "sizes": component_to_json(self.component),
             "colocated_with": self.colocated_with,
             "devices": list(self.devices),
             "ranks": [
@@ -98,10 +99,8 @@ class Plan:
         head_w = max(len("machine"), len(str(c.nodes - 1)))
         lines = [f"cluster: {c.describe()}, {self.devices_used} used"]
         for m in self.meshes.values():
-            s = m.component
-            sizes = f"d{s.dp} t{s.tp} p{s.pp} c{s.cp} e{s.ep} etp{s.etp} edp{s.edp}"
             shared = f", on the devices of {m.colocated_with}" if m.colocated_with else ""
-            lines.append(f"  {m.name}: {s.backend} {sizes}, {s.world_size} device(s){shared}")
+            lines.append(f"  {m.name}: {m.backend} {m.dims.describe()}, {m.dims.world_size} device(s){shared}")
         lines.append("")
         header = " ".join(str(i).ljust(width) for i in range(c.devices_per_node))
         lines.append(("machine".rjust(head_w) + " | " + header).rstrip())

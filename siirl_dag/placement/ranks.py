@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from siirl_dag.errors import ConfigError
+from siirl_dag.placement.parallel_dims import ParallelDims
 
 # group name -> (grid, dimensions varying inside one group); grids are listed fastest first
 DENSE = ("tp", "cp", "dp", "pp")
@@ -37,52 +37,36 @@ GROUPS = {
 }
 
 
-def grid_sizes(world: int, tp: int, pp: int, cp: int = 1, ep: int = 1, etp: int | None = None) -> dict[str, int]:
-    """All sizes of both grids; etp defaults to tp (megatron-core's default)."""
-    etp = tp if etp is None else etp
-    for label, size in (("tp*pp*cp", tp * pp * cp), ("etp*ep*pp", etp * ep * pp)):
-        if size < 1 or world % size:
-            raise ConfigError(f"world size {world} is not divisible by {label} = {size}")
-    return {"tp": tp, "cp": cp, "dp": world // (tp * pp * cp), "pp": pp,
-            "etp": etp, "ep": ep, "edp": world // (etp * ep * pp)}
-
-
-def _groups(sizes: dict[str, int], grid: Sequence[str], along: Sequence[str]) -> list[list[int]]:
+def _groups(dims: ParallelDims, grid: Sequence[str], along: Sequence[str]) -> list[list[int]]:
     """Ranks grouped by the `along` dimensions, in megatron-core's group and member order."""
-    dims = [sizes[n] for n in grid]
-    ranks = np.arange(math.prod(dims)).reshape(dims[::-1])  # C order: axis 0 is the slowest (pp)
+    sizes = [getattr(dims, n) for n in grid]
+    ranks = np.arange(math.prod(sizes)).reshape(sizes[::-1])  # C order: axis 0 is the slowest (pp)
     axis = {n: len(grid) - 1 - i for i, n in enumerate(grid)}
     outer = [n for n in grid if n not in along][::-1]
     inner = [n for n in grid if n in along][::-1]
     perm = [axis[n] for n in outer + inner]
-    size = math.prod(sizes[n] for n in inner)
+    size = math.prod(getattr(dims, n) for n in inner)
     return ranks.transpose(perm).reshape(-1, size).tolist()
 
 
-def rank_groups(
-    world: int, tp: int, pp: int, cp: int = 1, ep: int = 1, etp: int | None = None
-) -> dict[str, list[list[int]]]:
+def rank_groups(dims: ParallelDims) -> dict[str, list[list[int]]]:
     """Every group kind (keys of GROUPS) -> its rank lists, as megatron-core builds them."""
-    sizes = grid_sizes(world, tp, pp, cp, ep, etp)
-    return {name: _groups(sizes, grid, along) for name, (grid, along) in GROUPS.items()}
+    return {name: _groups(dims, grid, along) for name, (grid, along) in GROUPS.items()}
 
 
-def rank_coords(
-    rank: int, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1, etp: int | None = None
-) -> dict[str, int]:
+def rank_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     """Index of `rank` along each dimension of both grids: tp, cp, dp, pp, etp, ep, edp."""
-    if not 0 <= rank < world:
-        raise ConfigError(f"rank {rank} is outside world size {world}")
-    sizes = grid_sizes(world, tp, pp, cp, ep, etp)
+    if not 0 <= rank < dims.world_size:
+        raise ValueError(f"rank {rank} is outside world size {dims.world_size}")
     out: dict[str, int] = {}
     for grid in (DENSE, EXPERT):
         r = rank
         for name in grid:
-            r, out[name] = divmod(r, sizes[name])
+            r, out[name] = divmod(r, getattr(dims, name))
     return out
 
 
-def inference_coords(rank: int, tp: int, pp: int) -> dict[str, int]:
+def inference_coords(rank: int, dims: ParallelDims) -> dict[str, int]:
     """vLLM/SGLang: instance dp owns t*p consecutive ranks, tp varying fastest inside it."""
-    instance, local = divmod(rank, tp * pp)
-    return {"dp": instance, "pp": local // tp, "tp": local % tp}
+    instance, local = divmod(rank, dims.tp * dims.pp)
+    return {"dp": instance, "pp": local // dims.tp, "tp": local % dims.tp}

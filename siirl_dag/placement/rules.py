@@ -6,10 +6,12 @@ were reserved and processes spawned; here they fail at the door, all at once, wi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from siirl_dag.errors import PathPart, Problem
 from siirl_dag.placement.allocation import Component
+from siirl_dag.placement.parallel_dims import ParallelDims
 
 # option key -> component attribute it must agree with, per backend
 OPTION_SIZES = {
@@ -38,27 +40,31 @@ def strategy_problems(
     out: list[Problem] = []
     for key, attr in OPTION_SIZES.get(c.backend, {}).items():
         value = options.get(key)
-        if value is not None and value != getattr(c, attr):
+        if value is not None and value != getattr(c.dims, attr):
             hint = ("; etp is ffn's t in megatron:(attn:<dims>|ffn:<dims>), a plain string implies etp = t "
                     "without e and etp = 1 with e") if attr == "etp" else ""
             out.append(Problem(options_path + (key,), (
                 f"{key}={value} contradicts the mesh allocation {c.text or c.backend!r}, which has "
-                f"{_SPELLING[attr]}={getattr(c, attr)}; set them equal or drop the option{hint}")))
+                f"{_SPELLING[attr]}={getattr(c.dims, attr)}; set them equal or drop the option{hint}")))
     if c.backend == "megatron":
-        out += _megatron_rules(c, options, model_info or {}, device, path, options_path)
+        out += _megatron_rules(c.dims, options, model_info or {}, device, path, options_path)
+    if c.backend == "vllm" and c.dims.pp > 1:
+        out.append(Problem(path, f"p{c.dims.pp}: a vLLM rollout mesh has only d and t (the in-process engine cannot "
+                                 "pipeline; use t for large models)"))
     return out
 
 
-def _megatron_rules(c, options, model_info, device, path, options_path) -> list[Problem]:
+def _megatron_rules(c: ParallelDims, options, model_info, device, path, options_path) -> list[Problem]:
     out: list[Problem] = []
 
     def bad(where, message):
         out.append(Problem(where, message))
 
     vpp = options.get("virtual_pipeline_model_parallel_size") or 1
-    if vpp > 1 and c.pp == 1:
-        bad(options_path + ("virtual_pipeline_model_parallel_size",),
-            f"virtual pipeline ({vpp}) needs pipeline parallel > 1, the mesh has p1; use p>=2 or drop it")
+    try:
+        replace(c, vpp=vpp)
+    except ValueError as exc:
+        bad(options_path + ("virtual_pipeline_model_parallel_size",), f"{exc}; use p>=2 or drop it")
     num_layers = model_info.get("num_layers")
     if num_layers and num_layers % (c.pp * vpp):
         bad(path, f"{num_layers} layers do not split evenly over p{c.pp} x vpp{vpp} = {c.pp * vpp} "

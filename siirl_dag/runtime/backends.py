@@ -2,6 +2,8 @@
 
 Both expose the same calls; the Ray one returns ObjectRefs and the local one plain values, so the
 driver's scheduling code is the same for both and their results are identical on the same seed.
+A call names the worker's method itself (`backend.call(worker, RankWorker.run, ...)`), so a reader
+follows it with grep.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from siirl_dag.runtime.worker import RankWorker
 
@@ -35,9 +37,9 @@ class LocalBackend:
     def create_worker(self, group: str, rank: int, world: int, device: int | None):
         return RankWorker(group, rank, world, self.pipeline.cluster.device, threads=1)
 
-    def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
+    def call(self, worker, method: Callable, *args, num_returns: int = 1, **kwargs):
         try:
-            value = getattr(worker, method)(*args, **kwargs)
+            value = method(worker, *args, **kwargs)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - delivered at `get`, as Ray does (torch's CheckpointException is one)
@@ -103,11 +105,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 def stop_ray() -> None:
     """Stop the Ray this process started, and remove the semaphores its weight-sync channels left in
-    /dev/shm (named after its raylet, now gone: see `weight_sync.channel`)."""
+    /dev/shm (named after its raylet, now gone: see `weight_sync.shared_memory`)."""
     import ray
 
     from siirl_dag.leftovers import sweep_dead
-    from siirl_dag.weight_sync.channel import RAY_SEMAPHORES
+    from siirl_dag.weight_sync.shared_memory import RAY_SEMAPHORES
 
     ray.shutdown()
     sweep_dead(RAY_SEMAPHORES)
@@ -156,8 +158,8 @@ class RayBackend:
         self.actors.append(actor)
         return actor
 
-    def call(self, worker, method: str, *args, num_returns: int = 1, **kwargs):
-        return getattr(worker, method).options(num_returns=num_returns).remote(*args, **kwargs)
+    def call(self, worker, method: Callable, *args, num_returns: int = 1, **kwargs):
+        return getattr(worker, method.__name__).options(num_returns=num_returns).remote(*args, **kwargs)
 
     def get(self, ref, timeout: float | None = None):
         import ray

@@ -9,7 +9,7 @@ shards, and each consumer rank fetches the row ranges it needs (`reshard`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import networkx as nx
@@ -20,8 +20,9 @@ from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
-from siirl_dag.runtime.worker import NodeError, RoleSpec
+from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
+from siirl_dag.weight_sync.routes import routes
 
 SOURCE = "__source__"
 COMPUTE = "__compute__"
@@ -70,6 +71,8 @@ class Runtime:
         # (NOT_SYNCED: what the consumer loaded itself, if anything; start() brings it to version 0)
         self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
         self.synced = {n: NOT_SYNCED for n in self.order if pipeline.nodes[n].weights_from}
+        self.routes = routes(pipeline)  # rollout node -> how its weights travel (weight_sync.routes)
+        self.sync_paths: dict = {}  # rollout node -> its weight_sync.path.SyncPath, made at its first sync
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -106,8 +109,7 @@ class Runtime:
             raise PipelineError(f"building the engines failed: {cause}") from None
         if self.on_built:
             self.on_built(self)
-        # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none);
-        # the first sync into a process may compile its copies (seconds), so it is announced
+        # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
         if self.synced:
             sources = {dst: self.pipe.nodes[dst].weights_from for dst in self.synced}
             pairs = ", ".join(f"{dst} <- {src} v{self.versions[src]}" for dst, src in sources.items())
@@ -121,13 +123,13 @@ class Runtime:
         if group == COMPUTE:
             return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]
         mesh = self.pipe.plan.meshes[group]
-        world = mesh.component.world_size
+        world = mesh.dims.world_size
         return [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
 
     def _init_group(self, workers: list) -> None:
         """One torch.distributed group over a mesh's workers, rendezvous at rank 0."""
-        addr, port = self.backend.get(self.backend.call(workers[0], "address"))
-        self.backend.get([self.backend.call(w, "init_distributed", addr, port) for w in workers])
+        addr, port = self.backend.get(self.backend.call(workers[0], RankWorker.address))
+        self.backend.get([self.backend.call(w, RankWorker.init_distributed, addr, port) for w in workers])
 
     def _add_roles(self, workers: list) -> None:
         """Send each of `workers` its roles (in node order) and let it build its engines."""
@@ -136,13 +138,13 @@ class Runtime:
             for w, role in pairs:
                 if id(w) in wanted:
                     per_worker.setdefault(id(w), (w, []))[1].append(role)
-        self.backend.get([self.backend.call(w, "add_roles", roles) for w, roles in per_worker.values()])
+        self.backend.get([self.backend.call(w, RankWorker.add_roles, roles) for w, roles in per_worker.values()])
 
     def _check_local(self) -> None:
         if self.backend.name != "local":
             return
         for node in self.pipe.nodes.values():
-            if node.mesh and self.pipe.plan.meshes[node.mesh].component.world_size > 1:
+            if node.mesh and self.pipe.plan.meshes[node.mesh].dims.world_size > 1:
                 from siirl_dag.errors import ConfigError
 
                 raise ConfigError(f"runtime.backend=local runs every rank in this process, but mesh '{node.mesh}' of "
@@ -155,21 +157,19 @@ class Runtime:
         tokenizer = self._tokenizer_for(node)
         if not node.mesh:
             role = RoleSpec(node, kind, None, None, None, pipe.data, tokenizer,
-                            RankContext(0, 1, "cpu", seed=pipe.trainer.seed), 0, 1, True, pipe.samples_per_prompt(node.id))
+                            RankContext(0, seed=pipe.trainer.seed), 0, 1, True, pipe.samples_per_prompt(node.id))
             pool = self.workers[COMPUTE]
             return [(pool[node.index % len(pool)], role)]
         mesh = pipe.plan.meshes[node.mesh]
-        sizes = {k: mesh.sizes[k] for k in ("dp", "tp", "pp", "cp", "ep", "etp", "edp")}
-        sizes["vpp"] = node.options.get("virtual_pipeline_model_parallel_size") or 1
+        dims = replace(mesh.dims, vpp=node.options.get("virtual_pipeline_model_parallel_size") or 1)
         key = f"{node.mesh}/{node.model}/{node.strategy}"
         out = []
         for slot in mesh.ranks:
             c = slot.coords
-            output_rank = c.get("tp", 0) == 0 and c.get("cp", 0) == 0 and c.get("pp", 0) == sizes["pp"] - 1
-            ctx = RankContext(slot.rank, mesh.component.world_size, pipe.cluster.device, slot.local_device,
-                              pipe.trainer.seed, sizes)
+            output_rank = c.get("tp", 0) == 0 and c.get("cp", 0) == 0 and c.get("pp", 0) == dims.pp - 1
+            ctx = RankContext(slot.rank, dims, pipe.cluster.device, slot.local_device, pipe.trainer.seed)
             role = RoleSpec(node, kind, key, STRATEGIES[node.strategy], pipe.models[node.model], pipe.data, tokenizer,
-                            ctx, c.get("dp", 0), sizes["dp"], output_rank, pipe.samples_per_prompt(node.id))
+                            ctx, c.get("dp", 0), dims.dp, output_rank, pipe.samples_per_prompt(node.id))
             out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
         return out
 
@@ -250,7 +250,7 @@ class Runtime:
                 parts = pieces(outputs[u].shards, lo, hi)
                 inputs.append((keys, [(len(refs) + i, a, b) for i, (_, a, b) in enumerate(parts)]))
                 refs += [ref for ref, _, _ in parts]
-            calls.append(self.backend.call(worker, "run", node_id, inputs, step, validating,
+            calls.append(self.backend.call(worker, RankWorker.run, node_id, inputs, step, validating,
                                            (seed_base + role.dp_rank) % (2**31), min_version, *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
@@ -309,6 +309,8 @@ class Runtime:
             raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
                                 f"{names}; restarting it would silently start from the initial weights. Resume "
                                 "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
+        for dst in [d for d in self.sync_paths if group in (self._group_of(d), self._group_of(self.pipe.nodes[d].weights_from))]:
+            self.sync_paths.pop(dst).close()  # its pipe has members that die now
         old = self.workers[group]
         for w in old:
             self.backend.kill(w)
@@ -325,28 +327,45 @@ class Runtime:
             self.sync_weights()
 
     def sync_weights(self) -> dict:
-        """Bring every `weights_from` consumer up to its trainer's latest version (after a step).
+        """Bring every `weights_from` consumer up to its trainer's latest version (after a step), each
+        pair along its route (`weight_sync.routes`), through the SyncPath made at its first sync.
 
         Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
         `timing_s/sync_weights` is the time of all syncs together."""
-        from siirl_dag.weight_sync import WeightSync
-
-        self.weight_sync = getattr(self, "weight_sync", None) or WeightSync(self)
         metrics: dict = {}
         for dst, have in self.synced.items():
             src = self.pipe.nodes[dst].weights_from
-            if have < self.versions[src]:
-                try:
-                    stats = self.weight_sync(src, dst, self.versions[src])
-                except Exception as exc:  # noqa: BLE001 - a rank's error (its traceback) or a bad transport
-                    raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.versions[src]}) failed: "
-                                        f"{exc}") from None
-                total = stats.pop("timing_s/sync_weights")
-                metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + total
-                prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
-                metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
-                self.synced[dst] = self.versions[src]
+            if have >= self.versions[src]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                path = self.sync_paths.get(dst) or self._sync_path(dst)
+                stats = path.sync(self.versions[src])
+            except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
+                if dst in self.sync_paths:
+                    self.sync_paths.pop(dst).close()  # a part may have stopped half-way: never used again
+                cause = getattr(exc, "cause", None) or exc
+                raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.versions[src]}, path "
+                                    f"{self.routes[dst].path}) failed: {cause}") from None
+            metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + time.perf_counter() - t0
+            prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
+            metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
+            self.synced[dst] = self.versions[src]
         return metrics
+
+    def _sync_path(self, dst: str):
+        """The SyncPath of `dst`'s route, over the ranks as they run now."""
+        from siirl_dag.registry import import_ref
+        from siirl_dag.weight_sync.path import Placed
+        from siirl_dag.weight_sync.routes import TABLE
+
+        src, runtime = self.pipe.nodes[dst].weights_from, self.pipe.runtime
+        placed = Placed(src, dst, self.backend, [(w, r.engine_key) for w, r in self.roles[src]],
+                        [(w, r.engine_key) for w, r in self.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),
+                        runtime.verify_sync, self.pipe.cluster.device)
+        row = next(row for row in TABLE if row.name == self.routes[dst].path)
+        self.sync_paths[dst] = import_ref(row.ref)(placed)
+        return self.sync_paths[dst]
 
     # -- results and teardown -------------------------------------------------------------------
     def collect(self, result: StepResult, keys: Iterable[str]) -> Batch:
@@ -366,7 +385,7 @@ class Runtime:
 
     def engine_call(self, node_id: str, method: str, *args, **kwargs) -> list:
         """Call a method of a node's engine on every rank (checkpoints, weight export)."""
-        return self.backend.get([self.backend.call(w, "call_engine", role.engine_key, method, *args, **kwargs)
+        return self.backend.get([self.backend.call(w, RankWorker.call_engine, role.engine_key, method, *args, **kwargs)
                                  for w, role in self.roles[node_id]])
 
     def shutdown(self) -> None:
@@ -374,7 +393,7 @@ class Runtime:
         the user is told so), then kill all workers."""
         grace_s = self.pipe.runtime.stop_grace_s
         try:
-            calls = [self.backend.call(w, "shutdown") for workers in self.workers.values() for w in workers]
+            calls = [self.backend.call(w, RankWorker.shutdown) for workers in self.workers.values() for w in workers]
             deadline = time.perf_counter() + grace_s
             # closing an engine takes 1-2 s at a normal end
             busy = self._unfinished(calls, time.perf_counter() + min(grace_s, 5.0))

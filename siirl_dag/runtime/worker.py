@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.context import NodeContext
@@ -57,7 +58,7 @@ class RankWorker:
         self.roles: dict[str, RoleSpec] = {}
         self.engines: dict[str, Any] = {}
         self.active: str | None = None  # the engine that holds the device now (hybrid engine)
-        self._weight_sync = None  # weight_sync.RankSync, made at the first sync
+        self.pipes: dict[str, Any] = {}  # weight-sync pipes by name (see open_pipe)
 
     # -- set-up ---------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -127,30 +128,57 @@ class RankWorker:
         self.engines[key].onload()
         self.active = key
 
-    # -- weight sync (siirl_dag.weight_sync holds the logic) -----------------------------------
-    def weight_sync(self, op: str, *args):
-        """One rank's part of a sync between separate meshes (send/export on the trainer's ranks,
-        receive on the rollout's, and the pipe's set-up): see weight_sync.rank."""
-        if op in ("send", "export", "receive"):  # args[0]: the engine that exports or loads
-            self._activate(args[0])
-        return getattr(self._rank_sync(), op)(*args)
+    # -- weight sync: the calls a weight_sync.path.SyncPath makes (weight_sync.stream holds the logic) --
+    def open_pipe(self, name: str, make: Callable[[], Any]) -> Any:
+        """Make a pipe here (`make` runs on this rank) and keep it under `name` from sync to sync.
+        Returns it if other members may hold it too (a shared-memory channel, for its readers)."""
+        self.pipes[name] = pipe = make()
+        return pipe if getattr(pipe, "shared", False) else None
 
-    def _rank_sync(self):
-        from siirl_dag import weight_sync
+    def close_pipe(self, name: str) -> None:
+        """The pipe failed a sync or its pair was replaced: free this end (buffers, a group's sockets)."""
+        pipe = self.pipes.pop(name, None)
+        if pipe is not None:
+            with suppress(Exception):  # a channel the driver closed already
+                pipe.close()
 
-        if self._weight_sync is None:
-            self._weight_sync = weight_sync.RankSync(self.engines)
-        return self._weight_sync
+    def node_id(self) -> str:
+        import ray
 
-    def sync_handoff(self, src_key: str, dst_key: str, version: int, cores: int | None = None) -> dict:
+        return ray.get_runtime_context().get_node_id()
+
+    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool) -> dict:
+        """The trainer's rank 0: its export into the pipe, bucket by bucket (fingerprinted if `verify`)."""
+        from siirl_dag.weight_sync import stream
+
+        self._activate(engine_key)
+        return stream.send(self.engines[engine_key], self.pipes[pipe], bucket_bytes, verify)
+
+    def walk_export(self, engine_key: str) -> None:
+        """The other trainer ranks: take part in the export's collectives."""
+        from siirl_dag.weight_sync import stream
+
+        self._activate(engine_key)
+        stream.walk(self.engines[engine_key])
+
+    def receive_weights(self, engine_key: str, version: int, pipe: str, verify: bool) -> dict:
+        """A rollout rank: the pipe's buckets into one load of its engine, checked if `verify`, stamped `version`."""
+        from siirl_dag.weight_sync import stream
+
+        self._activate(engine_key)
+        return stream.receive(self.engines[engine_key], self.pipes[pipe], version, verify)
+
+    def handoff_weights(self, src_key: str, dst_key: str, version: int) -> dict:
         """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives
-        the device up first), load from the trainer in memory, then free the trainer."""
+        the device up first), load it from the trainer in memory, then free the trainer."""
+        from siirl_dag.weight_sync import stream
+
         if self.active not in (None, src_key, dst_key):
             self.engines[self.active].offload()
         for key in (src_key, dst_key):
             if key != self.active:
                 self.engines[key].onload()
-        stats = self._rank_sync().handoff(src_key, dst_key, version, cores)
+        stats = stream.handoff(self.engines[src_key], self.engines[dst_key], version)
         self.engines[src_key].offload()
         self.active = dst_key
         return stats

@@ -6,21 +6,25 @@ initialised torch.distributed for the mesh (gloo on CPU, NCCL on CUDA) before co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from siirl_dag.placement.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
 class RankContext:
-    """Where a strategy instance runs: its rank in the mesh and the device it owns."""
+    """Where a strategy instance runs: its rank in the mesh, the mesh's sizes, the device it owns."""
 
     rank: int
-    world_size: int
+    dims: ParallelDims = ParallelDims()
     device: str = "cpu"  # "cpu" or "cuda"
     local_device_index: int = 0
     seed: int = 0
-    # parallel sizes of the mesh this rank belongs to (dp, tp, pp, cp, ep, etp, vpp)
-    sizes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
 
     @property
     def cuda_index(self) -> int:

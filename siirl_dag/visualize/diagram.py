@@ -106,7 +106,7 @@ def device_ranges(devices: list[int]) -> str:
 
 def mesh_caption(pipe: Pipeline, mesh: str) -> str:
     """'megatron:d1t2p4 · 8 devices (0-7) · colocated with actor' (devices only once placed)."""
-    spec, size = pipe.meshes[mesh], mesh_component(pipe, mesh).world_size
+    spec, size = pipe.meshes[mesh], mesh_component(pipe, mesh).dims.world_size
     placed = pipe.plan is not None and mesh in pipe.plan.meshes
     where = device_ranges(pipe.plan.meshes[mesh].devices) if placed else ""
     devices = f"device {where}" if placed and size == 1 else plural(size, "device") + (f" ({where})" if placed else "")
@@ -129,7 +129,7 @@ def mesh_colors(pipe: Pipeline) -> dict[str, str]:
 
 def shown_coords(pipe: Pipeline, mesh: str) -> list[str]:
     """Coordinates worth printing in a cell: dimensions of size > 1 (etp/edp only when folded)."""
-    sizes = pipe.plan.meshes[mesh].sizes
+    sizes = pipe.plan.meshes[mesh].dims.to_json()
     return [k for k in COORD_ORDER
             if sizes.get(k, 1) > 1 and not (k in _SHADOWS and sizes[k] == sizes[_SHADOWS[k]])]
 

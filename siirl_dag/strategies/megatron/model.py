@@ -3,72 +3,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.errors import ConfigError
+from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.strategies.megatron import cpu_compat
 from siirl_dag.strategies.megatron.hf_config import HFSpec, read_hf_config, transformer_config_kwargs
 from siirl_dag.strategies.megatron.hf_convert import load_hf
 
-# mesh size key (RankContext.sizes) -> the option that may restate it, which is also the keyword
-# megatron's initialize_model_parallel and TransformerConfig take
-_SIZE_OPTIONS = {
-    "tp": "tensor_model_parallel_size",
-    "pp": "pipeline_model_parallel_size",
-    "vpp": "virtual_pipeline_model_parallel_size",
-    "cp": "context_parallel_size",
-    "ep": "expert_model_parallel_size",
-    "etp": "expert_tensor_parallel_size",
-}
 
-
-@dataclass(frozen=True)
-class Mesh:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    dp: int = 1
-
-    def parallel_kwargs(self) -> dict[str, int | None]:
-        """The parallel sizes as megatron's keywords (parallel_state and TransformerConfig alike)."""
-        return {opt: None if key == "vpp" and self.vpp == 1 else getattr(self, key)
-                for key, opt in _SIZE_OPTIONS.items()}
-
-
-def resolve_mesh(sizes: dict[str, int], options: dict[str, Any], world_size: int) -> Mesh:
-    """The mesh allocation string is authoritative; `*_size` options may only agree with it."""
-    problems = []
-    vals = {}
-    for key, opt in _SIZE_OPTIONS.items():
-        default = sizes.get("tp", 1) if key == "etp" else 1  # megatron's default etp is tp
-        mesh_val = int(sizes.get(key) or options.get(opt) or default)
-        if options.get(opt) is not None and sizes.get(key) is not None and options[opt] != sizes[key]:
-            problems.append(Problem(("options", opt), f"{options[opt]} contradicts the mesh ({key}={sizes[key]}); "
-                                    "expected it equal to the allocation string or left out"))
-        vals[key] = mesh_val
-    dense = vals["tp"] * vals["pp"] * vals["cp"]
-    if world_size % dense:
-        problems.append(Problem(("options",), f"world size {world_size} is not a multiple of tp*pp*cp={dense}"))
-    dp = world_size // max(dense, 1)
-    if sizes.get("dp") is not None and sizes["dp"] != dp:
-        problems.append(Problem(("options",), f"mesh dp={sizes['dp']} but world {world_size} / (tp*pp*cp) = {dp}"))
-    if vals["vpp"] > 1 and vals["pp"] == 1:
-        problems.append(Problem(("options", "virtual_pipeline_model_parallel_size"), "needs pipeline parallel > 1"))
-    if world_size % (vals["etp"] * vals["ep"] * vals["pp"]):
-        problems.append(Problem(("options", "expert_model_parallel_size"),
-                                f"world size {world_size} is not a multiple of etp*ep*pp"))
-    if problems:
-        raise ConfigError(problems)
-    return Mesh(dp=dp, **vals)
-
-
-def init_parallel(mesh: Mesh, seed: int) -> None:
+def init_parallel(mesh: ParallelDims, seed: int) -> None:
     """Create megatron's process groups once per process (re-use them when the mesh matches)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -82,7 +28,7 @@ def init_parallel(mesh: Mesh, seed: int) -> None:
             raise ConfigError(f"this process already holds a megatron mesh (tp,pp,cp,ep)={have}; "
                               f"expected the same for every megatron node it hosts, got {mesh}")
     else:
-        ps.initialize_model_parallel(**mesh.parallel_kwargs())
+        ps.initialize_model_parallel(**mesh.megatron_kwargs())
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
@@ -121,7 +67,7 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def build_model(spec: HFSpec, config, mesh: Mesh, device: torch.device) -> list[torch.nn.Module]:
+def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual stage) of this rank on `device`, holding the HF weights.
     megatron makes its parallel layers' weights on the GPU itself, but not the torch modules of its
     local spec (the RMSNorms without Apex or Transformer Engine): the chunks are moved as a whole."""

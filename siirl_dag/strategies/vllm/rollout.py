@@ -46,28 +46,6 @@ def model_path(model: Any) -> str:
     return str(path)
 
 
-def tensor_parallel_size(ctx: RankContext, options: dict[str, Any]) -> int:
-    """t of the mesh, after checking what a vLLM mesh may hold (d and t; dp = world_size / t)."""
-    sizes = {"tp": 1, "pp": 1, **ctx.sizes}
-    tp = sizes["tp"]
-    problems = [
-        Problem(("options", key), f"{key}={options[key]} but the mesh has {dim}={sizes[dim]}; "
-                "the mesh string decides, drop the option or make them agree")
-        for key, dim in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"))
-        if key in options and options[key] != sizes[dim]
-    ]
-    problems += [  # the expert dims placement derives for every mesh (ep, etp, edp) do not apply here
-        Problem(("mesh",), f"{dim}={sizes[dim]}: a vLLM rollout mesh has only d and t "
-                "(vLLM's in-process engine cannot pipeline; use t for large models)")
-        for dim in ("pp", "cp") if sizes.get(dim, 1) > 1
-    ]
-    if ctx.world_size % tp:
-        problems.append(Problem(("mesh",), f"world size {ctx.world_size} is not a multiple of t={tp}"))
-    if problems:
-        raise ConfigError(problems)
-    return tp
-
-
 @functools.cache
 def _rpc_base() -> str:
     return os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
@@ -104,7 +82,7 @@ class VllmRollout(Strategy):
 
     def __init__(self, ctx: RankContext, model: Any, options: dict[str, Any]):
         super().__init__(ctx, model, resolve_options(options))
-        self.tp = tensor_parallel_size(ctx, self.options)
+        self.tp = ctx.dims.tp
         self.weights_version = 0
         # True while the engine holds no real weights: load_format "dummy", or after a level-2 sleep
         self._needs_weights = self.options["load_format"] == "dummy"
@@ -129,7 +107,6 @@ class VllmRollout(Strategy):
             max_model_len=opts["max_model_len"], enforce_eager=opts["enforce_eager"],
             enable_prefix_caching=opts["enable_prefix_caching"], logprobs_mode=opts["logprobs_mode"],
             load_format=opts["load_format"], tensor_parallel_size=self.tp, enable_sleep_mode=True,
-            worker_extension_cls="siirl_dag.strategies.vllm.worker_ext.WeightSyncExtension",
         )
         if shared_group:
             if dist.get_world_size() != self.ctx.world_size:
@@ -142,15 +119,14 @@ class VllmRollout(Strategy):
         elif self.tp > 1:
             raise RuntimeError(f"t={self.tp} needs the runtime's process group over the mesh "
                                "(torch.distributed is not initialized in this process)")
+        first = self.ctx.rank // self.tp * self.tp
+        on_cpu = cpu_compat.building(list(range(first, first + self.tp)), self._left) if cpu_compat.active() \
+            else contextlib.nullcontext()
         if cpu_compat.active():
             kwargs.update(cpu_compat.engine_kwargs(opts))
-            cpu_compat.compile_cache()
         start = time.perf_counter()
-        first = self.ctx.rank // self.tp * self.tp
         os.environ["VLLM_RPC_BASE_PATH"] = self._sockets  # the same for every engine of a process: vLLM caches it
-        with host_rng_kept(), cpu_compat.keep_torch_threads(), leftovers.created(self._sockets, self._left), \
-                cpu_compat.track_shm(list(range(first, first + self.tp)), self._left), \
-                cpu_compat.linear_packing(opts["cpu_packed_weights"]):
+        with host_rng_kept(), leftovers.created(self._sockets, self._left), on_cpu:
             llm = LLM(**kwargs)
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm
@@ -206,57 +182,29 @@ class VllmRollout(Strategy):
                                        f"{max_prompt_length + max_response_length} exceeds the engine's "
                                        f"max_model_len={self.max_model_len}; raise it or shorten the lengths")])
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                     watch: Any = None, cores: int | None = None) -> float:
-        """Replace the engine's weights in place with HF-named tensors; returns the seconds taken.
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the engine's weights in place with HF-named tensors and stamp `version`.
 
-        `named_tensors` may be a generator (e.g. streaming buckets from the trainer): it is consumed
-        once, tensor by tensor. Every tensor of a layer must be present (q, k and v together), since
-        vLLM re-fuses them. `watch` is a context entered around vLLM's loader (the weight sync's
-        recorder); `cores`, the threads to finish with (the CPU re-pack), if not this rank's own.
-        The prefix cache is reset so no KV state of the old weights survives.
+        `named_tensors` may be a generator (the weight sync's stream): it is consumed once, tensor by
+        tensor, by vLLM's own loader (which fuses q/k/v and gate/up and cuts this rank's TP shard), so
+        every tensor of a layer must come. If the load fails part-way the engine refuses to generate
+        until a load succeeds. The prefix cache is reset: no KV state of the old weights survives.
         """
         self._check_version(version)
-        start, tensors = time.perf_counter(), iter(named_tensors)
+        tensors = iter(named_tensors)
         try:
-            self.llm.collective_rpc("siirl_load_weights", args=(tensors, watch, cores))
+            self.llm.collective_rpc(_load_weights, args=(tensors,))
             if next(tensors, None) is not None:
                 raise RuntimeError("vLLM's weight loader returned before the last tensor")
         except BaseException:
             self._needs_weights = True  # some tensors may be new and the rest old: never generate from that
             raise
-        self._stamp(version)
-        return time.perf_counter() - start
-
-    def weight_parameters(self) -> list[torch.nn.Parameter]:
-        """The tensors `load_weights` writes into (a weight sync may move them into shared memory)."""
-        return self.llm.collective_rpc("siirl_parameters")[0]
-
-    def blocked_weights(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter, int, bool]]:
-        """(weight, the parameter holding its row blocks, rows per block, whether the weight is read
-        too) among `weight_parameters`: the layer computes from the blocks, so a write in place goes
-        into them (`weight_sync.row_blocks`)."""
-        return self.llm.collective_rpc("siirl_blocked_weights")[0]
-
-    def expect_weights(self) -> None:
-        """Another process is about to write the weights in place: refuse to generate until
-        `weights_written`."""
-        self._needs_weights = True
-
-    def weights_written(self, version: int, cores: int | None = None) -> None:
-        """The weights of `version` are in place: finish the load (re-pack, with `cores` threads as
-        in `load_weights`) and stamp it."""
-        self._check_version(version)
-        self.llm.collective_rpc("siirl_finish_load", args=(cores, True))
-        self._stamp(version)
+        self.llm.reset_prefix_cache()
+        self.weights_version, self._needs_weights = version, False
 
     def _check_version(self, version: int) -> None:
         if version < self.weights_version:
             raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
-
-    def _stamp(self, version: int) -> None:
-        self.llm.reset_prefix_cache()
-        self.weights_version, self._needs_weights = version, False
 
     def offload(self) -> None:
         """Free the device for a colocated trainer (vLLM sleep mode). A no-op on CPU."""
@@ -282,3 +230,11 @@ class VllmRollout(Strategy):
         leftovers.remove(self._left)
         with contextlib.suppress(OSError):  # another engine of this process may still use it
             os.rmdir(self._sockets)
+
+
+def _load_weights(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Run in vLLM's worker (`collective_rpc`; in process, so the iterator goes by reference)."""
+    model = worker.model_runner.get_model()
+    model.load_weights(tensors)
+    if cpu_compat.active():
+        cpu_compat.after_load(model)

@@ -1,4 +1,5 @@
-"""A process group of the trainer's rank 0 and every rollout rank, beside the meshes' own groups.
+"""On GPUs, and between machines: a process group of the trainer's rank 0 and every rollout rank, beside
+the meshes' own groups, over which each bucket is broadcast.
 
 On GPUs the tensors are broadcast with NCCL and never leave the devices; on CPU the same protocol
 runs over gloo (tests, CPU clusters). The group is built from a TCPStore hosted by the trainer's
@@ -14,6 +15,7 @@ two broadcasts of its own (length, bytes).
 from __future__ import annotations
 
 import datetime
+import functools
 import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -21,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-Meta = list[tuple[str, tuple, str]]  # (name, shape, dtype) per tensor of a bucket
-
+from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.path import Streamed
 
 class SyncGroup:
     def __init__(self, address: str, port: int, rank: int, world_size: int, device: str, timeout_s: float = 600):
@@ -56,7 +58,7 @@ class SyncGroup:
             self._header(payload)
             return
         tensors = [t.detach().to(self.device).contiguous() for _, t in payload]
-        self._header(meta_of(payload))
+        self._header([(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in payload])
         for t in tensors:
             self._broadcast(t)
         self._synchronize()
@@ -110,5 +112,11 @@ class SyncGroup:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-def meta_of(bucket: list[tuple[str, torch.Tensor]]) -> Meta:
-    return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
+class ProcessGroup(Streamed):
+    def _open(self) -> None:
+        backend, members = self.pair.backend, self.members
+        address, port = backend.get(backend.call(members[0], RankWorker.address))
+        backend.get([backend.call(w, RankWorker.open_pipe, self.name,
+                                  functools.partial(SyncGroup, address, port, rank, len(members), self.pair.device))
+                     for rank, w in enumerate(members)])
+        return None  # each member's close tears its group down

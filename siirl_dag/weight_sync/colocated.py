@@ -1,0 +1,22 @@
+"""Colocated meshes: the rollout's engines live in the trainer's rank processes, so each rank loads its
+rollout engine straight from its trainer engine's export (`stream.handoff`), tensors by reference:
+no bucket, no pipe, no copy but the loader's own."""
+
+from __future__ import annotations
+
+from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.path import Placed, wait_all
+
+
+class Colocated:
+    def __init__(self, pair: Placed):
+        self.pair = pair
+
+    def sync(self, version: int) -> dict:
+        pair, backend = self.pair, self.pair.backend
+        calls = [backend.call(worker, RankWorker.handoff_weights, src, dst, version)
+                 for (worker, src), (_, dst) in zip(pair.trainer_ranks, pair.rollout_ranks)]
+        return dict(wait_all(backend, calls)[0])
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,96 @@
+"""The driver's side of a sync: the `SyncPath` interface, and the streamed paths between separate meshes.
+
+The runtime makes one SyncPath per trainer -> rollout pair, of the class its route names
+(`routes.TABLE`), at the pair's first sync, and calls `sync(version)` after every update. A path that
+failed a sync, or whose ranks were replaced after a restart, is closed, and the next sync makes a new
+one: a part may have stopped half-way through a bucket, so its pipe is never used again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from siirl_dag.runtime.worker import RankWorker
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A pair's ranks as they run now: (worker, engine key), in mesh rank order."""
+
+    trainer: str
+    rollout: str
+    backend: Any  # runtime.backends.LocalBackend or RayBackend
+    trainer_ranks: list[tuple[Any, str]]
+    rollout_ranks: list[tuple[Any, str]]
+    bucket_bytes: int
+    verify: bool
+    device: str
+
+
+class SyncPath(Protocol):
+    """One way weights travel from a trainer node's ranks into a rollout node's engines."""
+
+    def __init__(self, pair: Placed) -> None: ...
+
+    def sync(self, version: int) -> dict:
+        """Move the trainer's current weights into every rollout engine, stamped `version`; returns
+        `sync/<stat>` metrics. Raises if any part failed: the rollout then refuses to generate."""
+
+    def close(self) -> None:
+        """Let go of what the path holds on every rank (not awaited: a rank may be dead)."""
+
+
+def wait_all(backend: Any, calls: list) -> list:
+    """Every call's result, raising the first failure as soon as it happens (not after the calls
+    blocked behind it, which may wait for the failed one forever)."""
+    pending = list(calls)
+    while pending:
+        for ready in backend.wait(pending):
+            backend.get(ready)
+            pending.remove(ready)
+    return backend.get(calls)
+
+
+class Streamed:
+    """Separate meshes: the trainer's rank 0 sends its export through a pipe that every rollout rank
+    reads into one load, all parts started at once; the other trainer ranks walk the export's
+    collectives. The buckets flow rank to rank, never through the driver. A subclass makes the pipe
+    on the members (`_open`, returning what the driver closes to wake parts blocked on it, or None)."""
+
+    _names = itertools.count()  # pipes are named on the ranks, which may serve several pairs
+
+    def __init__(self, pair: Placed):
+        self.pair, self.name = pair, f"{pair.trainer}->{pair.rollout}/{next(self._names)}"
+        self.members = [pair.trainer_ranks[0][0]] + [worker for worker, _ in pair.rollout_ranks]
+        self.closer = None
+        try:
+            self.closer = self._open()
+        except BaseException:
+            self.close()  # members that made their end already let it go
+            raise
+
+    def _open(self) -> Any:
+        raise NotImplementedError
+
+    def sync(self, version: int) -> dict:
+        pair, backend = self.pair, self.pair.backend
+        (keeper, key), walkers = pair.trainer_ranks[0], pair.trainer_ranks[1:]
+        calls = [backend.call(w, RankWorker.walk_export, k) for w, k in walkers]
+        calls.append(backend.call(keeper, RankWorker.send_weights, key, self.name, pair.bucket_bytes, pair.verify))
+        calls += [backend.call(w, RankWorker.receive_weights, k, version, self.name, pair.verify)
+                  for w, k in pair.rollout_ranks]
+        results = wait_all(backend, calls)
+        stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
+        for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s"):  # the slowest rollout rank
+            stats[stat] = max(load[stat] for load in loads)
+        return stats
+
+    def close(self) -> None:
+        if self.closer is not None:
+            with suppress(Exception):
+                self.closer.close()
+        for worker in self.members:
+            self.pair.backend.call(worker, RankWorker.close_pipe, self.name)

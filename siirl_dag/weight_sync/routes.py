@@ -1,0 +1,117 @@
+"""Which way a trainer's weights travel to each rollout that takes them: one decision table, read once
+per trainer -> rollout pair when the run starts, and by `plan` and `validate --json` (no torch here).
+
+The first row whose rule holds gives the pair its path; a new path is one file (a `SyncPath`) plus
+one row. `runtime.weight_sync_path` may ask for a path between separate meshes; one that cannot
+serve the pair is refused at the door (`problems`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from siirl_dag.errors import Problem
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """What the table reads of a trainer -> rollout pair."""
+
+    trainer: str
+    rollout: str
+    colocated: bool  # the rollout's mesh shares the trainer's rank processes
+    backend: str  # runtime.backend
+    device: str  # "cpu" or "cuda"
+    machines: int  # machines of the trainer's rank 0 and every rollout rank
+    requested: str  # runtime.weight_sync_path
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str  # the name of a row
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "reason": self.reason}
+
+
+def _colocated(p: Pair) -> str | None:
+    if p.colocated:
+        return "the rollout's engines live in the trainer's rank processes: tensors are handed over by reference"
+    return None
+
+
+def _one_process(p: Pair) -> str | None:
+    return "runtime.backend=local: the rollout loads the trainer's export in this process" if p.backend == "local" else None
+
+
+def _shared_memory(p: Pair) -> str | None:
+    if p.requested == "shared_memory":
+        return "runtime.weight_sync_path asks for it"
+    if p.requested == AUTO and p.device == "cpu" and p.machines == 1:
+        return "separate CPU meshes on one machine: buckets through shared-memory buffers of Ray's object store"
+    return None
+
+
+def _process_group(p: Pair) -> str | None:
+    if p.requested == "process_group":
+        return "runtime.weight_sync_path asks for it"
+    backend = "NCCL" if p.device == "cuda" else "gloo"
+    where = "on GPUs" if p.device == "cuda" else f"across {p.machines} machines"
+    return f"{where}: a {backend} broadcast from the trainer's rank 0 to every rollout rank"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    ref: str  # "module:Class" of its SyncPath, imported only by the runtime
+    rule: Callable[[Pair], str | None]  # why it serves the pair, or None
+
+
+TABLE = (
+    Row("colocated", "siirl_dag.weight_sync.colocated:Colocated", _colocated),
+    Row("in_process", "siirl_dag.weight_sync.in_process:InProcess", _one_process),
+    Row("shared_memory", "siirl_dag.weight_sync.shared_memory:SharedMemory", _shared_memory),
+    Row("process_group", "siirl_dag.weight_sync.process_group:ProcessGroup", _process_group),
+)
+REQUESTABLE = (AUTO, "shared_memory", "process_group")  # the schema's enum of runtime.weight_sync_path
+
+
+def pair_of(pipe: Any, rollout: str) -> Pair:
+    """The facts of the pair a rollout node (it has `weights_from`) makes with its trainer."""
+    trainer = pipe.nodes[rollout].weights_from
+    src, dst = (pipe.plan.meshes[pipe.nodes[n].mesh] for n in (trainer, rollout))
+    anchor = lambda mesh: mesh.colocated_with or mesh.name  # noqa: E731
+    machines = {src.ranks[0].machine} | {slot.machine for slot in dst.ranks}
+    return Pair(trainer, rollout, anchor(src) == anchor(dst), pipe.runtime.backend, pipe.cluster.device,
+                len(machines), pipe.runtime.weight_sync_path)
+
+
+def route(pair: Pair) -> Route:
+    return next(Route(row.name, reason) for row in TABLE if (reason := row.rule(pair)) is not None)
+
+
+def routes(pipe: Any) -> dict[str, Route]:
+    """rollout node -> the route of its weights, for every node with `weights_from` (needs the plan)."""
+    return {n.id: route(pair_of(pipe, n.id)) for n in pipe.nodes.values() if n.weights_from and pipe.plan}
+
+
+def routes_json(pipe: Any) -> list[dict]:
+    """Each pair's route, as `plan --json` and `validate --json` print it."""
+    return [{"trainer": pipe.nodes[rollout].weights_from, "rollout": rollout, **r.to_json()}
+            for rollout, r in routes(pipe).items()]
+
+
+def problems(pipe: Any) -> list[Problem]:
+    """A requested path that cannot serve a pair: the shared-memory channel reaches one machine only."""
+    out = []
+    for rollout in routes(pipe):
+        pair = pair_of(pipe, rollout)
+        if pair.requested == "shared_memory" and not pair.colocated and pair.backend == "ray" and pair.machines > 1:
+            out.append(Problem(("runtime", "weight_sync_path"), (
+                f"shared_memory reaches one machine, but '{pair.trainer}' -> '{rollout}' spans {pair.machines}; "
+                "expected auto or process_group")))
+    return out

@@ -1,0 +1,105 @@
+"""Separate CPU meshes on one machine: buckets through a ring of shared-memory buffers in Ray's object
+store, allocated once per trainer -> rollout pair and written over at every sync (a fresh `ray.put`
+per bucket lands on pages never touched, and pays their faults). A bucket costs one copy in (the
+trainer's rank 0) and none out: every rollout rank hands its engine views of the buffer, and the
+engine's loader copies from them into its parameters.
+
+`SLOTS` buffers make a ring: the trainer fills one while the rollout loads the other; a write waits
+until every reader has released that buffer. Ray releases a reader's buffer only once no Python
+object references it, and vLLM's nested weight generators keep the last tensor of each group alive
+long after loading it, which would stall the ring for good: so a reader holds the current bucket
+itself (until its next read) and gives the engine views that do not own the buffer (`_view`).
+
+A blocking read spins a core while it waits; on a few cores that core is the one the trainer's
+gather needs, so a reader polls instead, every `POLL_S`. Buffers start small and Ray grows one to
+the size of a bucket that does not fit, so a pair holds two buffers of its largest bucket. Each
+buffer has two named semaphores in /dev/shm, named after the raylet that made them, which Ray does
+not always unlink: a new channel removes those whose raylet is gone (so does `backends.stop_ray`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from typing import Any
+
+import torch
+
+from siirl_dag.leftovers import sweep_dead
+from siirl_dag.runtime.batch import tensor_from_wire, tensor_to_wire
+from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.path import Streamed
+from siirl_dag.weight_sync.stream import nbytes
+
+SLOTS = 2
+POLL_S = 0.001
+FIRST_BYTES = 2**20  # a buffer's size until a bucket needs more
+RAY_SEMAPHORES = r"sem\.(?:obj|hdr)(\d+)-\d+"  # a channel buffer's two, named after its raylet's pid
+
+
+class ChannelPipe:
+    """One writer (the trainer's rank 0), one or more readers (the rollout ranks), on one machine."""
+
+    shared = True  # RankWorker.open_pipe hands it back, for the driver to give the readers
+
+    def __init__(self, channel: Any):
+        self.channel = channel
+        self._current: Any = None  # the bucket being loaded: its buffer stays the reader's until the next read
+
+    @classmethod
+    def create(cls, readers: list[tuple[Any, str]]) -> "ChannelPipe":
+        """On the writer's process: `readers` are (actor handle, node id) pairs."""
+        import ray
+        from ray.experimental.channel.shared_memory_channel import BufferedSharedMemoryChannel
+
+        here = ray.get_runtime_context()
+        if any(node != here.get_node_id() for _, node in readers):
+            raise ValueError("the shared_memory weight-sync path reaches rollout ranks on the machine of the "
+                             "trainer's rank 0 only; use runtime.weight_sync_path=process_group across machines")
+        sweep_dead(RAY_SEMAPHORES)
+        return cls(BufferedSharedMemoryChannel(here.current_actor, readers, SLOTS, FIRST_BYTES))
+
+    def reader(self) -> "ChannelPipe":
+        """This pipe, as a reader keeps it (a copy per reader process: the ring's position is per process)."""
+        return self
+
+    def write(self, payload: Any) -> None:
+        """A bucket ((name, tensor) pairs; one copy into shared memory), or an end / abort marker."""
+        self.channel.write({n: tensor_to_wire(t) for n, t in payload} if isinstance(payload, list) else payload)
+
+    def read(self) -> Any:
+        """The next bucket as tensors viewing the shared buffer (valid until the next read), or a marker."""
+        from ray.exceptions import RayChannelTimeoutError
+
+        self._current = None
+        while True:
+            try:
+                self._current = payload = self.channel.read(timeout=0)
+                break
+            except RayChannelTimeoutError:
+                time.sleep(POLL_S)
+        if not isinstance(payload, dict):
+            return payload
+        return [(name, _view(tensor_from_wire(array, dtype, copy=False))) for name, (array, dtype) in payload.items()]
+
+    def close(self) -> None:
+        """Wake a writer or reader blocked on the channel with an error (a sync failed elsewhere)."""
+        self.channel.close()
+
+
+def _view(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory, without a reference to the buffer that holds it (see the module doc)."""
+    if t.numel() == 0 or not t.is_contiguous():
+        return t.clone()
+    return torch.frombuffer((ctypes.c_byte * nbytes(t)).from_address(t.data_ptr()), dtype=t.dtype).view(t.shape)
+
+
+class SharedMemory(Streamed):
+    def _open(self) -> ChannelPipe:
+        backend, (keeper, *readers) = self.pair.backend, self.members
+        nodes = backend.get([backend.call(w, RankWorker.node_id) for w in readers])
+        make = functools.partial(ChannelPipe.create, list(zip(readers, nodes)))
+        channel = backend.get(backend.call(keeper, RankWorker.open_pipe, self.name, make))
+        backend.get([backend.call(w, RankWorker.open_pipe, self.name, channel.reader) for w in readers])
+        return channel

@@ -35,7 +35,7 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
         {"count": "prompt tokens", "tokenizer": tokenizer_files, "chat_template": chat, "transformers": version("transformers")}
 
     def count(rows):
-        from siirl_dag.strategies.vllm.layout import prompt_token_ids  # torch, as the tokenizer: only to count
+        from siirl_dag.strategies.rollout_layout import prompt_token_ids  # torch, as the tokenizer: only to count
 
         tokenizer = model.load_tokenizer()
         return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat)) for row in rows]

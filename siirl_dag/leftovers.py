@@ -29,15 +29,25 @@ def sweep_dead(pattern: str, folder: str = SHM_DIR) -> None:
                         os.unlink(path)
 
 
+def own_folder(prefix: str, base: str) -> str:
+    """A folder of this process's own under `base` (`prefix` + pid), made if missing; those of processes
+    that have ended are swept first."""
+    sweep_dead(rf"{re.escape(prefix)}(\d+)", base)
+    path = os.path.join(base, f"{prefix}{os.getpid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 @contextmanager
 def created(folder: str, found: list[str], keep: Callable[[str], bool] = lambda name: True) -> Iterator[None]:
     """Record into `found` the paths of the entries of `folder` made meanwhile whose names `keep`
     accepts (a library that leaves them behind, for `remove` once it is done)."""
-    before = _names(folder)
+    names = lambda: set(os.listdir(folder)) if os.path.isdir(folder) else set()  # noqa: E731
+    before = names()
     try:
         yield
     finally:
-        found.extend(os.path.join(folder, name) for name in sorted(_names(folder) - before) if keep(name))
+        found.extend(os.path.join(folder, name) for name in sorted(names() - before) if keep(name))
 
 
 def remove(paths: list[str]) -> None:
@@ -46,10 +56,3 @@ def remove(paths: list[str]) -> None:
         with suppress(FileNotFoundError):
             os.unlink(path)
     paths.clear()
-
-
-def _names(folder: str) -> set[str]:
-    try:
-        return set(os.listdir(folder))
-    except OSError:
-        return set()

@@ -148,7 +148,7 @@ class RuntimeSpec:
     backend: str
     address: str | None
     staleness: int
-    weight_sync_path: str  # weight_sync.routes.REQUESTABLE
+    weight_sync_path: str  # auto, shared_memory or process_group (weight_sync.routes)
     verify_sync: bool
     weight_sync_bucket_mb: float
     cpus_per_rank: float

@@ -6,8 +6,11 @@ initialised torch.distributed for the mesh (gloo on CPU, NCCL on CUDA) before co
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from siirl_dag.errors import ConfigError
 
 from siirl_dag.placement.parallel_dims import ParallelDims
 
@@ -44,6 +47,16 @@ class Strategy:
         self.ctx = ctx
         self.model_spec = model
         self.options = options
+
+    @property
+    def model_path(self) -> str:
+        """The model's HF folder: given as a path, or as a spec (ModelSpec, dict) with a `path`."""
+        model = self.model_spec
+        path = model if isinstance(model, (str, os.PathLike)) else (
+            model.get("path") if isinstance(model, dict) else getattr(model, "path", None))
+        if not path:
+            raise ConfigError(f"the {self.name} strategy needs a model with `path` (an HF model folder)", ("model",))
+        return str(path)
 
     def offload(self) -> None:
         """Free the device for a colocated role (hybrid engine). Default: nothing to free."""

@@ -1,8 +1,7 @@
-"""Verified sync (runtime.verify_sync, on by default): a few values of every tensor, sampled where the
-trainer sends it and again where the rollout's loader takes it. A tensor missing, unexpected, or
-with other values fails the sync, naming the tensor; the rollout then refuses to generate until a
-sync succeeds. Sampling costs a gather of `SAMPLES` values per tensor, not a pass over its bytes.
-"""
+"""Verified sync (runtime.verify_sync, on by default): `SAMPLES` values of every tensor, sampled where
+the trainer sends it and where the rollout's loader takes it (a gather, not a pass over its bytes). A
+tensor missing, unexpected or changed fails the sync naming it; the rollout then refuses to generate
+until a sync succeeds."""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ def sample(t: torch.Tensor) -> torch.Tensor:
 
 
 class Fingerprints:
-    """The samples of every tensor of one sync, by HF name."""
-
     def __init__(self) -> None:
-        self.samples: dict[str, torch.Tensor] = {}
+        self.samples: dict[str, torch.Tensor] = {}  # the samples of every tensor of one sync, by HF name
 
     def add(self, name: str, t: torch.Tensor) -> None:
         self.samples[name] = sample(t)

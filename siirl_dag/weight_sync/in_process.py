@@ -4,24 +4,13 @@ in memory, then the rollout's rank loads them (the backend runs calls one after 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
 from siirl_dag.runtime.worker import RankWorker
 from siirl_dag.weight_sync.path import Streamed
 
 
-class LocalPipe:
-    def __init__(self) -> None:
-        self._items: deque = deque()
-
-    def write(self, payload: Any) -> None:
-        self._items.append(payload)
-
-    def read(self) -> Any:
-        return self._items.popleft()
-
-    def close(self) -> None:
-        self._items.clear()
+class LocalPipe(deque):
+    write, read, close = deque.append, deque.popleft, deque.clear
 
 
 class InProcess(Streamed):

@@ -1,8 +1,9 @@
-"""The driver's side of a sync: the `SyncPath` interface, and the streamed paths between separate meshes.
+"""The driver's side of a sync: the `SyncPath` interface, and `Streamed`, which the paths between
+separate meshes share.
 
 The runtime makes one SyncPath per trainer -> rollout pair, of the class its route names
 (`routes.TABLE`), at the pair's first sync, and calls `sync(version)` after every update. A path that
-failed a sync, or whose ranks were replaced after a restart, is closed, and the next sync makes a new
+failed a sync, or whose ranks were replaced after a restart, is closed and the next sync makes a new
 one: a part may have stopped half-way through a bucket, so its pipe is never used again.
 """
 
@@ -18,7 +19,7 @@ from siirl_dag.runtime.worker import RankWorker
 
 @dataclass(frozen=True)
 class Placed:
-    """A pair's ranks as they run now: (worker, engine key), in mesh rank order."""
+    """A pair's ranks as they run now, (worker, engine key) in mesh rank order, and how to sync them."""
 
     trainer: str
     rollout: str
@@ -36,16 +37,15 @@ class SyncPath(Protocol):
     def __init__(self, pair: Placed) -> None: ...
 
     def sync(self, version: int) -> dict:
-        """Move the trainer's current weights into every rollout engine, stamped `version`; returns
-        `sync/<stat>` metrics. Raises if any part failed: the rollout then refuses to generate."""
+        """The trainer's weights into every rollout engine, stamped `version`; `sync/<stat>` metrics.
+        Raises if any part failed: the rollout then refuses to generate."""
 
     def close(self) -> None:
         """Let go of what the path holds on every rank (not awaited: a rank may be dead)."""
 
 
 def wait_all(backend: Any, calls: list) -> list:
-    """Every call's result, raising the first failure as soon as it happens (not after the calls
-    blocked behind it, which may wait for the failed one forever)."""
+    """Every call's result; the first failure raised as soon as it happens (others may wait for it forever)."""
     pending = list(calls)
     while pending:
         for ready in backend.wait(pending):
@@ -56,16 +56,15 @@ def wait_all(backend: Any, calls: list) -> list:
 
 class Streamed:
     """Separate meshes: the trainer's rank 0 sends its export through a pipe that every rollout rank
-    reads into one load, all parts started at once; the other trainer ranks walk the export's
-    collectives. The buckets flow rank to rank, never through the driver. A subclass makes the pipe
-    on the members (`_open`, returning what the driver closes to wake parts blocked on it, or None)."""
+    reads into one load, all parts started at once, while the other trainer ranks walk the export's
+    collectives; buckets go rank to rank, never through the driver. A subclass makes the pipe on the
+    members (`_open`, returning what the driver closes to wake parts blocked on it, or None)."""
 
     _names = itertools.count()  # pipes are named on the ranks, which may serve several pairs
 
     def __init__(self, pair: Placed):
-        self.pair, self.name = pair, f"{pair.trainer}->{pair.rollout}/{next(self._names)}"
+        self.pair, self.name, self.closer = pair, f"{pair.trainer}->{pair.rollout}/{next(self._names)}", None
         self.members = [pair.trainer_ranks[0][0]] + [worker for worker, _ in pair.rollout_ranks]
-        self.closer = None
         try:
             self.closer = self._open()
         except BaseException:
@@ -84,8 +83,8 @@ class Streamed:
                   for w, k in pair.rollout_ranks]
         results = wait_all(backend, calls)
         stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
-        for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s"):  # the slowest rollout rank
-            stats[stat] = max(load[stat] for load in loads)
+        stats.update({stat: max(load[stat] for load in loads)  # the slowest rollout rank
+                      for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s")})
         return stats
 
     def close(self) -> None:

@@ -1,15 +1,9 @@
-"""On GPUs, and between machines: a process group of the trainer's rank 0 and every rollout rank, beside
-the meshes' own groups, over which each bucket is broadcast.
-
-On GPUs the tensors are broadcast with NCCL and never leave the devices; on CPU the same protocol
-runs over gloo (tests, CPU clusters). The group is built from a TCPStore hosted by the trainer's
-rank 0 and constructed directly (`ProcessGroupNCCL` / `ProcessGroupGloo`), because each member
-process already has a default group of its own mesh that the others are not part of.
-
-Group rank 0 is the writer. Each payload goes as its pickled header first (a bucket's names, shapes
-and dtypes, or the end / abort marker), so readers allocate before the tensors follow. The group is
-not registered with torch.distributed, so torch's object collectives cannot take it: the header is
-two broadcasts of its own (length, bytes).
+"""On GPUs and between machines: each bucket broadcast over a process group of the trainer's rank 0
+(group rank 0, the writer) and every rollout rank: NCCL on GPUs, the tensors never leaving the
+devices; gloo on CPUs. The group is built directly on a TCPStore hosted by the trainer's rank 0,
+beside each member's default group of its own mesh. Each payload goes as a pickled header first (a
+bucket's names, shapes and dtypes, or the end / abort marker; two broadcasts, length and bytes), so
+readers allocate before the tensors follow.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ import torch.distributed as dist
 
 from siirl_dag.runtime.worker import RankWorker
 from siirl_dag.weight_sync.path import Streamed
+
 
 class SyncGroup:
     def __init__(self, address: str, port: int, rank: int, world_size: int, device: str, timeout_s: float = 600):
@@ -51,9 +46,8 @@ class SyncGroup:
         self.pg.broadcast(t, 0).wait()
 
     def write(self, payload: Any) -> None:
-        """A bucket ((name, tensor) pairs), or an end/abort marker, from group rank 0 to every member.
-        A bucket's tensors are on the device before its header goes: once the readers have a header,
-        only the tensors it names may follow (an abort marker in their place would desync the group)."""
+        """A bucket or a marker to every member. A bucket's tensors are on the device before its header
+        goes: once readers have a header, only its tensors may follow (a marker would desync the group)."""
         if not isinstance(payload, list):
             self._header(payload)
             return
@@ -64,9 +58,8 @@ class SyncGroup:
         self._synchronize()
 
     def read(self) -> Any:
-        """The next payload. The bucket after it is already being received (a thread of its own) while
-        the caller loads this one: a broadcast completes only once every member takes part, so
-        receiving only after loading would stall the sender for every load."""
+        """The next payload; the one after it is received meanwhile, in a thread (a broadcast completes only
+        once every member takes part: receiving after loading would stall the sender at every load)."""
         if self._next is None:
             self._receiver = self._receiver or ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-receive")
             self._next = self._receiver.submit(self._receive)
@@ -77,9 +70,8 @@ class SyncGroup:
         return payload
 
     def close(self) -> None:
-        """Tear the group down, waking a receive blocked on it (the sync it served failed). gloo's
-        abort leaves the connections open, so a reader whose writer failed (another reader died)
-        would wait out the timeout: the group goes too, which closes them, and the readers fail at once."""
+        """Tear the group down, waking a receive blocked on it. gloo's abort leaves the connections open
+        (a reader whose writer failed would wait out the timeout): dropping the group closes them."""
         self.pg.abort()
         self.pg = None
         if self._receiver is not None:

@@ -13,8 +13,6 @@ from typing import Any, Callable
 
 from siirl_dag.errors import Problem
 
-AUTO = "auto"
-
 
 @dataclass(frozen=True)
 class Pair:
@@ -26,7 +24,7 @@ class Pair:
     backend: str  # runtime.backend
     device: str  # "cpu" or "cuda"
     machines: int  # machines of the trainer's rank 0 and every rollout rank
-    requested: str  # runtime.weight_sync_path
+    requested: str  # runtime.weight_sync_path: auto, shared_memory or process_group
 
 
 @dataclass(frozen=True)
@@ -34,14 +32,10 @@ class Route:
     path: str  # the name of a row
     reason: str
 
-    def to_json(self) -> dict:
-        return {"path": self.path, "reason": self.reason}
-
 
 def _colocated(p: Pair) -> str | None:
-    if p.colocated:
-        return "the rollout's engines live in the trainer's rank processes: tensors are handed over by reference"
-    return None
+    return "the rollout's engines live in the trainer's rank processes: tensors handed over by reference" \
+        if p.colocated else None
 
 
 def _one_process(p: Pair) -> str | None:
@@ -51,17 +45,16 @@ def _one_process(p: Pair) -> str | None:
 def _shared_memory(p: Pair) -> str | None:
     if p.requested == "shared_memory":
         return "runtime.weight_sync_path asks for it"
-    if p.requested == AUTO and p.device == "cpu" and p.machines == 1:
+    if p.requested == "auto" and p.device == "cpu" and p.machines == 1:
         return "separate CPU meshes on one machine: buckets through shared-memory buffers of Ray's object store"
     return None
 
 
-def _process_group(p: Pair) -> str | None:
+def _process_group(p: Pair) -> str:
     if p.requested == "process_group":
         return "runtime.weight_sync_path asks for it"
-    backend = "NCCL" if p.device == "cuda" else "gloo"
-    where = "on GPUs" if p.device == "cuda" else f"across {p.machines} machines"
-    return f"{where}: a {backend} broadcast from the trainer's rank 0 to every rollout rank"
+    where = "on GPUs: an NCCL" if p.device == "cuda" else f"across {p.machines} machines: a gloo"
+    return f"{where} broadcast from the trainer's rank 0 to every rollout rank"
 
 
 @dataclass(frozen=True)
@@ -77,41 +70,33 @@ TABLE = (
     Row("shared_memory", "siirl_dag.weight_sync.shared_memory:SharedMemory", _shared_memory),
     Row("process_group", "siirl_dag.weight_sync.process_group:ProcessGroup", _process_group),
 )
-REQUESTABLE = (AUTO, "shared_memory", "process_group")  # the schema's enum of runtime.weight_sync_path
 
 
 def pair_of(pipe: Any, rollout: str) -> Pair:
-    """The facts of the pair a rollout node (it has `weights_from`) makes with its trainer."""
+    """The pair a rollout node (one with `weights_from`) makes with its trainer, as placed."""
     trainer = pipe.nodes[rollout].weights_from
     src, dst = (pipe.plan.meshes[pipe.nodes[n].mesh] for n in (trainer, rollout))
-    anchor = lambda mesh: mesh.colocated_with or mesh.name  # noqa: E731
     machines = {src.ranks[0].machine} | {slot.machine for slot in dst.ranks}
-    return Pair(trainer, rollout, anchor(src) == anchor(dst), pipe.runtime.backend, pipe.cluster.device,
-                len(machines), pipe.runtime.weight_sync_path)
-
-
-def route(pair: Pair) -> Route:
-    return next(Route(row.name, reason) for row in TABLE if (reason := row.rule(pair)) is not None)
+    colocated = (src.colocated_with or src.name) == (dst.colocated_with or dst.name)
+    return Pair(trainer, rollout, colocated, pipe.runtime.backend, pipe.cluster.device, len(machines),
+                pipe.runtime.weight_sync_path)
 
 
 def routes(pipe: Any) -> dict[str, Route]:
-    """rollout node -> the route of its weights, for every node with `weights_from` (needs the plan)."""
-    return {n.id: route(pair_of(pipe, n.id)) for n in pipe.nodes.values() if n.weights_from and pipe.plan}
+    """rollout node -> the route of its weights, for every node with `weights_from` (once placed)."""
+    pairs = [pair_of(pipe, n.id) for n in pipe.nodes.values() if n.weights_from and pipe.plan]
+    return {p.rollout: next(Route(row.name, why) for row in TABLE if (why := row.rule(p))) for p in pairs}
 
 
 def routes_json(pipe: Any) -> list[dict]:
     """Each pair's route, as `plan --json` and `validate --json` print it."""
-    return [{"trainer": pipe.nodes[rollout].weights_from, "rollout": rollout, **r.to_json()}
+    return [{"trainer": pipe.nodes[rollout].weights_from, "rollout": rollout, "path": r.path, "reason": r.reason}
             for rollout, r in routes(pipe).items()]
 
 
 def problems(pipe: Any) -> list[Problem]:
     """A requested path that cannot serve a pair: the shared-memory channel reaches one machine only."""
-    out = []
-    for rollout in routes(pipe):
-        pair = pair_of(pipe, rollout)
-        if pair.requested == "shared_memory" and not pair.colocated and pair.backend == "ray" and pair.machines > 1:
-            out.append(Problem(("runtime", "weight_sync_path"), (
-                f"shared_memory reaches one machine, but '{pair.trainer}' -> '{rollout}' spans {pair.machines}; "
-                "expected auto or process_group")))
-    return out
+    pairs = [pair_of(pipe, rollout) for rollout in routes(pipe)]
+    return [Problem(("runtime", "weight_sync_path"), f"shared_memory reaches one machine, but '{p.trainer}' -> "
+                    f"'{p.rollout}' spans {p.machines}; expected auto or process_group")
+            for p in pairs if p.requested == "shared_memory" and not p.colocated and p.backend == "ray" and p.machines > 1]

@@ -1,20 +1,15 @@
-"""Separate CPU meshes on one machine: buckets through a ring of shared-memory buffers in Ray's object
-store, allocated once per trainer -> rollout pair and written over at every sync (a fresh `ray.put`
-per bucket lands on pages never touched, and pays their faults). A bucket costs one copy in (the
-trainer's rank 0) and none out: every rollout rank hands its engine views of the buffer, and the
-engine's loader copies from them into its parameters.
+"""Separate CPU meshes on one machine: buckets through a ring of `SLOTS` shared-memory buffers of Ray's
+object store, made once per pair and written over at every sync (a fresh `ray.put` per bucket lands
+on pages never touched, and pays their faults). A bucket costs one copy in (the trainer's rank 0);
+every rollout rank hands its engine views of the buffer, which the loader copies from.
 
-`SLOTS` buffers make a ring: the trainer fills one while the rollout loads the other; a write waits
-until every reader has released that buffer. Ray releases a reader's buffer only once no Python
-object references it, and vLLM's nested weight generators keep the last tensor of each group alive
-long after loading it, which would stall the ring for good: so a reader holds the current bucket
-itself (until its next read) and gives the engine views that do not own the buffer (`_view`).
-
-A blocking read spins a core while it waits; on a few cores that core is the one the trainer's
-gather needs, so a reader polls instead, every `POLL_S`. Buffers start small and Ray grows one to
-the size of a bucket that does not fit, so a pair holds two buffers of its largest bucket. Each
-buffer has two named semaphores in /dev/shm, named after the raylet that made them, which Ray does
-not always unlink: a new channel removes those whose raylet is gone (so does `backends.stop_ray`).
+The trainer fills one buffer while the rollout loads the other; a write waits until every reader
+has released that buffer, which Ray does only once no Python object references it. vLLM's nested
+weight generators keep the last tensor of a group alive long after loading it, so a reader holds
+the current bucket itself (until its next read) and gives the engine views that do not own the
+buffer (`_view`). Readers poll (a blocking read spins the core the trainer's gather needs). Each
+buffer has two semaphores in /dev/shm named after its raylet, which Ray does not always unlink: a
+new channel sweeps those of raylets gone (so does `backends.stop_ray`).
 """
 
 from __future__ import annotations

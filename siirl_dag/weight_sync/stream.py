@@ -1,13 +1,8 @@
-"""The rank side of a sync: the trainer's HF-named export, cut into buckets, through a pipe, into the
-rollout's engine (`RankWorker.send_weights` / `receive_weights` / `walk_export` / `handoff_weights`).
-
-The export (`export_hf_weights`) is a collective walk over the trainer's mesh that yields one layer's
-full tensors at a time; `Buckets` pulls from it only as far as the next bucket needs, and a pipe
-holds a bucket or two, so a rank never holds more than about one layer plus two buckets.
-
-A pipe (`shared_memory.ChannelPipe`, `process_group.SyncGroup`, `in_process.LocalPipe`) has
-`write(payload)`, `read()` and `close()`, and carries, in order, the buckets of one sync, then an
-`End` (with the trainer's fingerprints), or an `Aborted` in place of the next bucket.
+"""Each rank's side of a sync (`RankWorker.send_weights` / `walk_export` / `receive_weights` /
+`handoff_weights`): the trainer's HF-named export (a collective walk yielding a layer's full tensors
+at a time), in buckets pulled only as far as the next needs, through a pipe that holds one or two,
+into the rollout engine. A pipe (`ChannelPipe`, `SyncGroup`, `LocalPipe`: `write`, `read`, `close`)
+carries the buckets of one sync, then an `End`, or an `Aborted` in place of the next bucket.
 """
 
 from __future__ import annotations
@@ -30,16 +25,12 @@ def nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class End:
-    """After the last bucket: the trainer's fingerprints of what it sent (None: not verified)."""
-
-    fingerprints: dict[str, torch.Tensor] | None
+    fingerprints: dict[str, torch.Tensor] | None  # of what the trainer sent; None: not verified
 
 
 @dataclass
 class Aborted:
-    """Sent in place of the next bucket when the trainer's side failed: the readers raise it."""
-
-    reason: str
+    reason: str  # why the trainer's side failed: the readers raise it
 
     def error(self) -> RuntimeError:
         return RuntimeError(f"the trainer's weight export failed: {self.reason}")
@@ -47,10 +38,9 @@ class Aborted:
 
 def exported(engine: Any, stats: dict, first_rank_only: bool = True) -> Iterator[Named]:
     """The trainer engine's HF export (views where no conversion is needed), timed into `stats`:
-    sync/convert_s, into HF's layout (splitting fused q/k/v and gate/up, as the engine times it),
-    and sync/gather_s, the rest (collecting TP/EP shards and PP stages), once walked to its end."""
-    timings = {"convert_s": 0.0}
-    stats.setdefault("sync/gather_s", 0.0)
+    sync/convert_s into HF's layout (split fused q/k/v, gate/up), sync/gather_s the rest (TP/EP shards,
+    PP stages), once walked to its end."""
+    timings, stats["sync/gather_s"] = {"convert_s": 0.0}, stats.get("sync/gather_s", 0.0)
     export = engine.export_hf_weights(copy=False, first_rank_only=first_rank_only, timings=timings)
     while True:
         t0 = time.perf_counter()
@@ -64,14 +54,13 @@ def exported(engine: Any, stats: dict, first_rank_only: bool = True) -> Iterator
 
 
 class Buckets:
-    """Pulls (name, tensor) pairs into buckets of at most `bucket_bytes` (a tensor is never split: one
-    larger travels alone), counting bytes and buckets into `stats`."""
+    """(name, tensor) pairs in buckets of at most `bucket_bytes` (a larger tensor travels alone),
+    bytes and buckets counted into `stats`."""
 
     def __init__(self, named_tensors: Iterable[Named], bucket_bytes: int, stats: dict):
         self.stats, self.bucket_bytes = stats, bucket_bytes
         self.stats.update({"sync/bytes": 0, "sync/buckets": 0})
-        self._tensors = iter(named_tensors)
-        self._held: Named | None = None  # pulled, but did not fit the last bucket
+        self._tensors, self._held = iter(named_tensors), None  # held: pulled, but did not fit the last bucket
 
     def next(self) -> list[Named] | None:
         """The next bucket, or None when the export is done."""
@@ -91,23 +80,17 @@ class Buckets:
         self.stats["sync/buckets"] += 1
         return bucket
 
-    def drain(self) -> None:
-        """Walk the export to its end, keeping nothing (the other trainer ranks wait in its collectives)."""
-        while self.next() is not None:
-            pass
-
 
 def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool) -> dict:
-    """The trainer's rank 0: every bucket of its export into `pipe`, then the `End`. `sync/send_s` is
-    the time spent writing, including any wait for a slower reader."""
+    """The trainer's rank 0: every bucket of its export into `pipe`, then the `End`. sync/send_s is the
+    time spent writing (including any wait for a slower reader), sync/fingerprint_s the sampling."""
     stats: dict = {"sync/send_s": 0.0, "sync/fingerprint_s": 0.0}
     buckets, prints = Buckets(exported(engine, stats), bucket_bytes, stats), Fingerprints() if verify else None
     try:
         while (bucket := buckets.next()) is not None:
             t0 = time.perf_counter()
-            if prints:
-                for name, t in bucket:
-                    prints.add(name, t)
+            for name, t in bucket if prints else ():
+                prints.add(name, t)
             t1 = time.perf_counter()
             pipe.write(bucket)
             stats["sync/fingerprint_s"] += t1 - t0
@@ -116,8 +99,9 @@ def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool) -> dict:
     except Exception as error:
         with suppress(Exception):  # the readers stop waiting for buckets
             pipe.write(Aborted(repr(error)))
-        with suppress(Exception):
-            buckets.drain()
+        with suppress(Exception):  # the other trainer ranks finish the export's collectives
+            while buckets.next() is not None:
+                pass
         raise
     return stats
 
@@ -129,9 +113,9 @@ def walk(engine: Any) -> None:
 
 
 def receive(engine: Any, pipe: Any, version: int, verify: bool) -> dict:
-    """A rollout rank: every bucket of `pipe` into one load of `engine`, which stamps `version` once the
-    `End` has come and the fingerprints it carries match (`sync/verify_s`: sampling and comparing).
-    If the engine fails, the rest of the stream is still read (and dropped), so the trainer finishes."""
+    """A rollout rank: the pipe's buckets into one load of `engine`, stamped `version` once the `End`
+    has come and, if `verify`, its fingerprints match (sync/verify_s: sampling and comparing). If the
+    engine fails, the rest of the stream is still read, so the trainer finishes."""
     stats, prints, ended = {"sync/wait_s": 0.0, "sync/verify_s": 0.0}, Fingerprints(), False
 
     def tensors() -> Iterator[Named]:
@@ -139,54 +123,51 @@ def receive(engine: Any, pipe: Any, version: int, verify: bool) -> dict:
         while True:
             t0 = time.perf_counter()
             item = pipe.read()
-            stats["sync/wait_s"] += time.perf_counter() - t0
-            if isinstance(item, (End, Aborted)):
-                ended = True
-                if isinstance(item, Aborted):
-                    raise item.error()
+            t1 = time.perf_counter()
+            stats["sync/wait_s"] += t1 - t0
+            ended = isinstance(item, (End, Aborted))
+            if isinstance(item, Aborted):
+                raise item.error()
+            if ended:
                 if verify and item.fingerprints is not None:
-                    t0 = time.perf_counter()
                     prints.check(item.fingerprints)
-                    stats["sync/verify_s"] += time.perf_counter() - t0
+            else:
+                for name, t in item if verify else ():
+                    prints.add(name, t)
+            stats["sync/verify_s"] += time.perf_counter() - t1
+            if ended:
                 return
-            t0 = time.perf_counter()
-            for name, t in item if verify else ():
-                prints.add(name, t)
-            stats["sync/verify_s"] += time.perf_counter() - t0
             yield from item
 
-    t0 = time.perf_counter()
-    stream = tensors()
+    t0, stream = time.perf_counter(), tensors()
     try:
         with torch.no_grad():  # the engine loads in this thread's grad mode otherwise
             engine.load_weights(stream, version)
         if not ended:
             raise RuntimeError("the rollout engine stopped reading weights before the stream ended")
     finally:
-        if not ended:
-            with suppress(Exception):
-                for _ in stream:
-                    pass
+        with suppress(Exception):
+            for _ in stream if not ended else ():
+                pass
     stats["sync/load_s"] = time.perf_counter() - t0 - stats["sync/wait_s"] - stats["sync/verify_s"]
     return stats
 
 
 def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
-    """Colocated meshes: the rollout engine loads straight from the trainer engine's export, in this
-    process, tensors by reference. The export is walked to its end whatever happens (the other trainer
-    ranks take part in its collectives)."""
-    stats: dict = {"sync/bytes": 0}
-    t0 = time.perf_counter()
+    """Colocated meshes: the rollout engine loads straight from the trainer engine's export, tensors by
+    reference; the export is walked to its end whatever happens (the other trainer ranks take part in
+    its collectives)."""
+    stats, t0 = {"sync/bytes": 0}, time.perf_counter()
+    export = exported(src_engine, stats, first_rank_only=False)
 
-    def counted(export: Iterator[Named]) -> Iterator[Named]:
+    def counted() -> Iterator[Named]:
         for name, t in export:
             stats["sync/bytes"] += nbytes(t)
             yield name, t
 
-    export = exported(src_engine, stats, first_rank_only=False)
     try:
         with torch.no_grad():
-            dst_engine.load_weights(counted(export), version)
+            dst_engine.load_weights(counted(), version)
     finally:
         with suppress(Exception):
             for _ in export:

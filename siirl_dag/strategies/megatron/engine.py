@@ -28,16 +28,6 @@ LossFn = Callable[[torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tens
 ValueLossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
 
 
-def _model_path(model: Any) -> str:
-    if isinstance(model, str):
-        return model
-    if isinstance(model, Mapping) and "path" in model:
-        return model["path"]
-    if getattr(model, "path", None):
-        return model.path
-    raise ConfigError("the megatron strategy needs a model with `path` (an HF model directory)", ("model",))
-
-
 class MegatronEngine(Strategy):
     name = "megatron"
 
@@ -57,7 +47,7 @@ class MegatronEngine(Strategy):
         if self.opts["deterministic"]:
             torch.use_deterministic_algorithms(True)
         model_lib.init_parallel(self.mesh, self.opts["seed"])
-        self.spec, shape = model_lib.model_config_kwargs(_model_path(model), self.opts["value_head"])
+        self.spec, shape = model_lib.model_config_kwargs(self.model_path, self.opts["value_head"])
         self.config = self._transformer_config(TransformerConfig, shape)
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device)
         self.train_state: optim.Trainable | None = None

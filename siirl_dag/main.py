@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 from siirl_dag.errors import ConfigError
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline (the default command)")
     _add_pipeline_args(run)
     run.add_argument("--address", help="attach to a running Ray cluster instead of starting one")
+    run.add_argument("--verbose", action="store_true",
+                     help="stream the logs of vLLM, Ray, Megatron and transformers here (else: the run's log folder)")
     validate = sub.add_parser("validate", help="check a pipeline and print its summary or every problem")
     _add_pipeline_args(validate)
     plan = sub.add_parser("plan", help="show where every rank of every mesh runs")
@@ -80,12 +84,17 @@ def main(argv: list[str] | None = None) -> int:
 
     command = import_module(f"siirl_dag.cli.{args.command}")
     try:
-        return command.main(args)
+        code = command.main(args)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at exit
+        return code
     except ConfigError as exc:
         return _report(exc, getattr(args, "json", False))
     except KeyboardInterrupt:
         print("interrupted; stopped cleanly.", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader has what it wanted: end quietly, as other tools do on SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the rest of stdout goes nowhere
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def t_join(batch, ctx):
 
 @node_kind("t_fail", consumes=("x",), produces=("z",))
 def t_fail(batch, ctx):
+    print("t_fail: about to fail", flush=True)  # what a library would have said just before
     raise ValueError("boom: the test node failed on purpose")
 
 

@@ -249,6 +249,23 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "siirl_dag.main", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.parametrize("args", [["validate", "--json"], ["validate"], ["plan", "--json"], ["plan"]],
+                         ids=lambda a: " ".join(a))
+def test_output_into_a_pipe_whose_reader_left_ends_quietly(args):
+    """`validate --json | head`: the reader is gone before the output is written (SIGPIPE's exit status)."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    graph = str(Path(__file__).resolve().parents[1] / "graphs" / "qwen3_30b_a3b_moe.yaml")
+    try:
+        res = subprocess.run([sys.executable, "-m", "siirl_dag.main", args[0], graph, *args[1:]], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert res.returncode == 141 and "Traceback" not in res.stderr and "Error" not in res.stderr, res.stderr
+
+
 def test_validate_and_a_refused_run_do_not_load_torch(tmp_path, tiny_model_dir):
     """Checking a pipeline takes about a second: torch (and Ray) load only for a run whose YAML, data
     and checkpoint passed."""

@@ -31,7 +31,7 @@ nodes:
   - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob, ref_logprob], mesh: train, model: policy,
      options: {{lr: 1.0e-3, micro_batch_size: 16}}, params: {{mini_batch_size: 4, use_kl_loss: true, entropy_coeff: 0.001}}}}
 trainer: {{total_steps: 2, logger: [tensorboard], default_local_dir: {out}/ckpt, tensorboard_dir: {out}/tb,
-          project_name: e2e, experiment_name: run}}
+          log_dir: {out}/logs, project_name: e2e, experiment_name: run}}
 runtime: {{backend: {backend}}}
 """
 SEPARATE = '  gen: "vllm:d1"\n  train: "megatron:d1"\n  ref: {alloc: "megatron:d1", colocate_with: train}'
@@ -67,6 +67,12 @@ def parsed(res: subprocess.CompletedProcess) -> dict:
     return json.loads(res.stdout)  # --json: the document alone, though Ray forwards the workers' logs
 
 
+def logs_of(res: subprocess.CompletedProcess) -> tuple[Path, str]:
+    """The run's log folder, as it named it at the start, and all its files' text."""
+    (folder,) = re.findall(r"^\[run\] logs of vLLM, Ray, Megatron and transformers: (\S+)/ \(--verbose", res.stderr, re.M)
+    return Path(folder), "".join(p.read_text(errors="replace") for p in sorted(Path(folder).glob("*.log")))
+
+
 def tensorboard_tags(folder) -> set:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -78,8 +84,17 @@ def tensorboard_tags(folder) -> set:
 @pytest.mark.parametrize("layout", ["separate", "colocated"])
 def test_grpo_through_ray(tmp_path, tiny_model_dir, demo_data, layout):
     meshes, devices = (SEPARATE, 2) if layout == "separate" else (COLOCATED, 1)
-    history = run(tmp_path, tiny_model_dir, demo_data, meshes, devices)
+    res = launch(tmp_path, tiny_model_dir, demo_data, meshes, devices)
+    history = parsed(res)
     assert set(history["steps"]) == {"1", "2"}
+    # a quiet console: the engine's own lines; what vLLM, Ray and Megatron say is in a file per process
+    folder, logs = logs_of(res)
+    assert "RankWorker pid=" not in res.stderr and "Resolved architecture" not in res.stderr, res.stderr[-2000:]
+    names = {p.stem.split("-rank")[0] for p in folder.glob("*.log")}
+    assert {"driver", "train", "compute"} | ({"gen"} if layout == "separate" else set()) <= names
+    assert "Resolved architecture: Qwen2ForCausalLM" in logs  # vLLM's INFO line, from the rollout rank
+    warnings = int(re.search(r"^\[run\] (\d+) warning line\(s\) in the logs", res.stderr, re.M).group(1))
+    assert warnings == sum(bool(re.search(r"WARNING|Warning|\[W\d{4} |\]:W\d{4} ", line)) for line in logs.splitlines())
     assert "val-core/demo/arith/acc" in history["val_before"]
     assert set(METRICS) <= tensorboard_tags(tmp_path / "tb")
     step2 = history["steps"]["2"]
@@ -100,7 +115,10 @@ def four_steps(tmp_path_factory, tiny_model_dir, demo_data):
     """A local run of four steps, saved at steps 2 and 4: its history, and its folder with only step 2's
     checkpoint left (copied by the tests that resume from it)."""
     out = tmp_path_factory.mktemp("four_steps")
-    history = run(out, tiny_model_dir, demo_data, SEPARATE, 2, "local", *FOUR_STEPS)
+    res = launch(out, tiny_model_dir, demo_data, SEPARATE, 2, "local", *FOUR_STEPS, "--verbose")
+    history = parsed(res)
+    # --verbose: everything streams to the console (stderr, beside --json's document), no log folder
+    assert "Resolved architecture: Qwen2ForCausalLM" in res.stderr and not (out / "logs").exists()
     shutil.rmtree(out / "ckpt" / "global_step_4")
     return out, history
 
@@ -115,8 +133,9 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, f
     assert [line for line in res.stderr.splitlines() if "syncing weights" in line] == \
         ["[runtime] syncing weights: rollout <- actor_update v2 ..."]
     # the same engine started in `four_steps`: this start loads its compiled model from vLLM's cache
-    assert "load failure" not in res.stdout + res.stderr, "vLLM compiled again"
-    assert "reset prefix cache" not in res.stdout + res.stderr  # vLLM's line at every weight update
+    _, logs = logs_of(res)
+    assert "Resolved architecture" in logs and "load failure" not in logs, "vLLM compiled again"
+    assert "reset prefix cache" not in logs  # vLLM's line at every weight update
     # a save says so before and after, each on a line of its own (not appended to the training bar)
     lines = re.split(r"[\r\n]", res.stderr)  # the bar redraws itself after a carriage return
     assert "[trainer] step 4: saving a checkpoint ..." in lines

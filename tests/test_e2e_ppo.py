@@ -38,7 +38,7 @@ def test_ppo_critic_pipeline_through_ray(tmp_path, tiny_model_dir, demo_data):  
     overrides = [f"models.policy.path={tiny_model_dir}", f"models.critic.path={critic}",
                  f"data.train_files={demo_data}/train.parquet", "data.val_files=null", "data.train_batch_size=8",
                  "trainer.total_steps=2", "trainer.logger=[tensorboard]", f"trainer.default_local_dir={tmp_path}/ckpt",
-                 f"trainer.tensorboard_dir={tmp_path}/tb",
+                 f"trainer.tensorboard_dir={tmp_path}/tb", f"trainer.log_dir={tmp_path}/logs",
                  "nodes.rollout.options.kv_cache_gb=0.25", "nodes.rollout.options.max_model_len=64"]
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "graphs/ppo_critic_cpu.yaml", "--json", *overrides],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)

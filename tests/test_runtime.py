@@ -114,7 +114,7 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
           - {id: gen, kind: t_expand, mesh: a, model: m}
           - {id: bad, kind: t_fail, deps: [gen]}
         """)
-    rt = Runtime(pipe, progress=lambda *_: None)
+    rt = Runtime(pipe, progress=lambda *_: None, log_dir=tmp_path / "logs")
     rt.start()
     pids = [rt.backend.get(rt.backend.call(w, RankWorker.pid)) for ws in rt.workers.values() for w in ws]
     with pytest.raises(PipelineError) as info:
@@ -122,6 +122,10 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
     rt.shutdown()
     msg = str(info.value)
     assert "step 3: node 'bad' failed on rank 0 (host " in msg and "ValueError: boom" in msg and "Traceback" in msg
+    # each rank process logged to a file of its own; the failing one's last lines come with its error
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert [name.rsplit("-", 1)[0] for name in logs] == ["a-rank0", "a-rank1", "compute-rank0", "compute-rank0"]
+    assert "the last lines of its log (" in msg and msg.rstrip().endswith("t_fail: about to fail")
     import time
 
     deadline = time.time() + 10
@@ -284,7 +288,8 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
         models: {{m: {{path: unused}}}}
         data: {{train_files: {tmp_path}/train.parquet, train_batch_size: 2}}
         nodes: [{{id: slow, kind: "runtime_kinds:t_sleep", params: {{seconds: 120}}}}]
-        trainer: {{total_steps: 1, logger: [console], default_local_dir: {tmp_path}/ckpt, export_hf: false}}
+        trainer: {{total_steps: 1, logger: [console], default_local_dir: {tmp_path}/ckpt, log_dir: {tmp_path}/logs,
+                  export_hf: false}}
         runtime: {{stop_grace_s: 6}}
         """))
     # SIGINT's default restored in the run: a suite started in the background of a non-interactive
@@ -293,18 +298,18 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
                             stderr=subprocess.PIPE, text=True, env={**os.environ,
                             "PYTHONPATH": str(Path(__file__).parent)},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    seen = []
+    seen = []  # the engine's own lines: on the console's stderr, beside the progress bar
     while not any(line.startswith("[runtime] ready") for line in seen) and proc.poll() is None:
-        seen.append(proc.stdout.readline())
+        seen.append(proc.stderr.readline())
     time.sleep(3)  # the step (120 s) is running
     rays = _descendants(proc.pid, lambda p: p.name() in ("raylet", "gcs_server"))
     assert rays, "the run started a Ray of its own"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    out = "".join(seen) + out
+    err = "".join(seen) + err
     assert proc.returncode == 130, err[-2000:]
-    assert "interrupted; stopped cleanly." in err and "Traceback" not in err
-    assert "[runtime] stopping: 1 worker(s) still busy, given 6 s" in out, "the user is told what the wait is for"
+    assert "interrupted; stopped cleanly." in err and "Traceback" not in err and not out
+    assert "[runtime] stopping: 1 worker(s) still busy, given 6 s" in err, "the user is told what the wait is for"
     deadline = time.time() + 30
     while _alive(rays) and time.time() < deadline:
         time.sleep(0.5)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
+from siirl_dag import console
 from siirl_dag.cli.json_stdout import json_stdout
 from siirl_dag.config import load_pipeline
 from siirl_dag.config.overrides import OVERRIDE_FILE
@@ -39,15 +42,22 @@ def main(args) -> int:
         def say(*parts) -> None:
             from tqdm import tqdm  # (a tenth of a second to import: not for a run refused at its checks)
 
-            tqdm.write(" ".join(map(str, parts)), file=sys.stdout)  # a line above the training bar, not appended to it
+            tqdm.write(" ".join(map(str, parts)), file=console.terminal())  # above the training bar, not appended to it
 
         trainer = Trainer(pipe, address=args.address, progress=say)
+        log_dir = None if args.verbose else trainer.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
+        if log_dir:
+            say(f"[run] logs of vLLM, Ray, Megatron and transformers: {log_dir}/ (--verbose shows them here)")
         try:
-            history = trainer.fit()
+            with console.quiet(log_dir):
+                history = trainer.fit(log_dir)
         except PipelineError as exc:
-            print(f"[run] failed: {exc}", file=sys.stderr)
+            say(f"[run] failed: {exc}")
             return 1
+        finally:
+            if log_dir:
+                say(f"[run] {console.warnings_in(log_dir)} warning line(s) in the logs ({log_dir}/)")
         before, after = history.get("val_before", {}), history.get("val_last", {})
         for key in sorted(set(before) | set(after)):
             say(f"[run] {key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")

@@ -139,6 +139,7 @@ class TrainerSpec:
     project_name: str | None
     experiment_name: str | None
     tensorboard_dir: str | None
+    log_dir: str | None
     export_hf: bool
     val_score_key: str
 

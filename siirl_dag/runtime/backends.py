@@ -28,14 +28,14 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, pipeline):
-        self.pipeline = pipeline
+    def __init__(self, pipeline, log_dir=None):
+        self.pipeline, self.log_dir = pipeline, log_dir
 
     def start(self) -> None:
         pass
 
     def create_worker(self, group: str, rank: int, world: int, device: int | None):
-        return RankWorker(group, rank, world, self.pipeline.cluster.device, threads=1)
+        return RankWorker(group, rank, world, self.pipeline.cluster.device, threads=1, log_dir=self.log_dir)
 
     def call(self, worker, method: Callable, *args, num_returns: int = 1, **kwargs):
         try:
@@ -84,12 +84,13 @@ def unreachable(address: str) -> str | None:
     return None
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Attach to a cluster at `address`, or start a local Ray whose workers see this process's sys.path."""
+def init_ray(address: str | None = None, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    """Attach to a cluster at `address`, or start a local Ray whose workers see this process's sys.path.
+    `log_to_driver`: Ray forwards what its workers print (not when they log to files of their own)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": log_to_driver}
     if address:
         kwargs["address"] = address
     else:
@@ -120,8 +121,8 @@ class RayBackend:
 
     name = "ray"
 
-    def __init__(self, pipeline, address: str | None = None):
-        self.pipeline = pipeline
+    def __init__(self, pipeline, address: str | None = None, log_dir=None):
+        self.pipeline, self.log_dir = pipeline, log_dir
         self.address = address or pipeline.runtime.address
         self.started_ray = False
         self.groups: list = []
@@ -133,7 +134,7 @@ class RayBackend:
 
         cluster, cpr = self.pipeline.cluster, self.pipeline.runtime.cpus_per_rank
         if not ray.is_initialized():
-            init_ray(self.address, int(max(os.cpu_count() or 1, cluster.total * cpr + 1)))
+            init_ray(self.address, int(max(os.cpu_count() or 1, cluster.total * cpr + 1)), log_to_driver=not self.log_dir)
             self.started_ray = True
         bundle = {"GPU": 1, "CPU": 1} if cluster.device == "cuda" else {"CPU": cpr}
         self.groups = [placement_group([dict(bundle) for _ in range(cluster.devices_per_node)], strategy="STRICT_PACK")
@@ -154,7 +155,8 @@ class RayBackend:
             machine, local = divmod(device, cluster.devices_per_node)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.groups[machine], placement_group_bundle_index=local)
             options.update(num_gpus=1, num_cpus=1) if cluster.device == "cuda" else options.update(num_cpus=self.pipeline.runtime.cpus_per_rank)
-        actor = ray.remote(RankWorker).options(**options).remote(group, rank, world, cluster.device, threads)
+        actor = ray.remote(RankWorker).options(**options).remote(group, rank, world, cluster.device, threads,
+                                                                 self.log_dir and str(self.log_dir))
         self.actors.append(actor)
         return actor
 

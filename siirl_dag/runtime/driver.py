@@ -55,12 +55,13 @@ class _Running:
 
 
 class Runtime:
-    def __init__(self, pipeline, address: str | None = None, progress=print, on_built=None):
+    def __init__(self, pipeline, address: str | None = None, progress=print, on_built=None, log_dir=None):
         """`on_built(runtime)` runs once the engines are built, before the start-up weight sync
-        (a resume loads the checkpoint there, so the rollouts are synced once, to its weights)."""
-        self.pipe, self.progress, self.on_built = pipeline, progress, on_built
+        (a resume loads the checkpoint there, so the rollouts are synced once, to its weights).
+        `log_dir`: the folder every rank process logs to, a file each (None: they print as they go)."""
+        self.pipe, self.progress, self.on_built, self.log_dir = pipeline, progress, on_built, log_dir
         backend = pipeline.runtime.backend
-        self.backend = RayBackend(pipeline, address) if backend == "ray" else LocalBackend(pipeline)
+        self.backend = RayBackend(pipeline, address, log_dir) if backend == "ray" else LocalBackend(pipeline, log_dir)
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
         self.order = list(pipeline.nodes)
@@ -295,7 +296,8 @@ class Runtime:
         if isinstance(cause, NodeError):
             raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"
                                 f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
-        raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}") from None
+        logs = f" (the ranks' logs: {self.log_dir}/)" if self.log_dir else ""
+        raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}{logs}") from None
 
     def _restart_group(self, group: str, step: int) -> None:
         """Replace a group's workers (one died), rebind their roles and rebuild their engines.

@@ -14,6 +14,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from siirl_dag import console
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
@@ -49,8 +50,17 @@ class NodeError(RuntimeError):
 
 
 class RankWorker:
-    def __init__(self, group: str, rank: int, world_size: int, device: str = "cpu", threads: int = 1):
+    def __init__(self, group: str, rank: int, world_size: int, device: str = "cpu", threads: int = 1,
+                 log_dir: str | None = None):
+        """`log_dir`: the run's log folder; a rank process (not the driver, quiet already) logs to a
+        file of its own there, whose last lines go with its errors."""
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        self.log_file = None
+        if log_dir:
+            self.log_file = os.path.join(log_dir, "driver.log")
+            if not console.quieted():
+                self.log_file = os.path.join(log_dir, f"{group.strip('_')}-rank{rank}-{os.getpid()}.log")
+                console.redirect(self.log_file)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         import torch
 
@@ -95,7 +105,7 @@ class RankWorker:
                     self.engines[role.engine_key] = cls(role.rank_ctx, role.model, dict(role.node.options))
                 except Exception:  # noqa: BLE001 - say which engine on which rank, with the traceback
                     raise NodeError(f"{role.node.id} (building engine {role.engine_key})", self.rank,
-                                    socket.gethostname(), traceback.format_exc()) from None
+                                    socket.gethostname(), self._with_log(traceback.format_exc())) from None
         return sorted(self.engines)
 
     # -- work -----------------------------------------------------------------------------------
@@ -114,10 +124,15 @@ class RankWorker:
             out = role.kind.fn(batch, ctx) or {}
             result = _checked(role, batch, out)
         except Exception:  # noqa: BLE001 - report any failure of user code with where it happened
-            raise NodeError(node_id, self.rank, socket.gethostname(), traceback.format_exc()) from None
+            raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(traceback.format_exc())) from None
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,
                 "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank}
         return (result.to_wire() if role.output_rank else None), info
+
+    def _with_log(self, detail: str) -> str:
+        """An error's traceback, with the last lines this rank logged before it (when it logs to a file)."""
+        lines = console.tail(self.log_file) if self.log_file else ""
+        return f"{detail}\nthe last lines of its log ({self.log_file}):\n{lines}" if lines else detail
 
     def _activate(self, key: str | None) -> None:
         """Colocated roles take turns on the device: offload the engine that held it, onload this one."""

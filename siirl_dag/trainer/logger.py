@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 from tqdm import tqdm
+
+from siirl_dag.console import terminal
 
 _CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean",
                  "timing_s/step", "perf/throughput")
@@ -18,7 +18,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(tensorboard_dir)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=terminal(),
                         dynamic_ncols=True, disable=not self.console)
 
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
@@ -34,7 +34,7 @@ class MetricsLogger:
         if self.console:
             shown = {k: numbers[k] for k in _CONSOLE_KEYS if k in numbers}
             shown.update({k: v for k, v in numbers.items() if k.startswith("val-core/")})
-            self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+            self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items()), file=terminal())
 
     def close(self) -> None:
         self.bar.close()

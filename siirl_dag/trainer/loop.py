@@ -54,6 +54,7 @@ class Trainer:
         self.out_dir = Path("outputs") / project / experiment
         self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
         self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
+        self.log_dir = Path(t.log_dir or self.out_dir / "logs")  # each run logs into a folder of its own there
         # bad data is bad input: checked here, before any process starts, located in the pipeline file
         try:
             self.train_data = PromptDataset(list(d.train_files), d.prompt_key, config_path=("data", "train_files"))
@@ -114,7 +115,8 @@ class Trainer:
         return problems
 
     # -- the run --------------------------------------------------------------------------------
-    def fit(self) -> dict:
+    def fit(self, log_dir: Path | None = None) -> dict:
+        """Train to trainer.total_steps; `log_dir`: the folder every process of the run logs to (None: as is)."""
         if self.resume.path and self.step >= self.total_steps:
             self.progress(f"[trainer] {self.resume.path} is at step {self.step} of {self.total_steps}: nothing to train. "
                           "Raise trainer.total_steps to continue, or start afresh with a new trainer.experiment_name.")
@@ -122,7 +124,7 @@ class Trainer:
         from siirl_dag.runtime import Runtime
 
         restore = self._restore_engines if self.resume.path else None
-        with Runtime(self.pipe, self.address, self.progress, on_built=restore) as rt:
+        with Runtime(self.pipe, self.address, self.progress, on_built=restore, log_dir=log_dir) as rt:
             self.rt = rt
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
             history: dict = {"steps": {}}

@@ -1,0 +1,84 @@
+"""A run's console: the engine's own lines and the progress bar on the terminal; whatever libraries
+print (vLLM, Ray, Megatron, transformers, C code) into the run's log folder, one file per process.
+
+A process is quieted by pointing its stdout and stderr, the file descriptors as well as the Python
+streams, at its log file; the driver keeps a duplicate of its terminal for the engine's lines
+(`terminal()`). `--verbose` quiets nothing: everything streams to the console as it comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterator, TextIO
+
+_terminal: TextIO | None = None  # the driver's terminal while it is quiet
+WARNING = re.compile(r"WARNING|Warning|\[W\d{4} |\]:W\d{4} ")  # Python, vLLM, Ray, torch's C++ warnings
+
+
+def quieted() -> bool:
+    """True in the driver while it is quiet (`quiet`)."""
+    return _terminal is not None
+
+
+def terminal() -> TextIO:
+    """Where the engine's own lines and the progress bar go."""
+    return _terminal or sys.stderr
+
+
+def redirect(path: str | Path) -> None:
+    """This process's stdout and stderr (descriptors and Python streams) append to `path` from now on
+    (its folder made on this machine if missing)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def quiet(log_dir: Path | None) -> Iterator[None]:
+    """Meanwhile, this process's output goes to `log_dir/driver.log` and `terminal()` is the console
+    it had; None: nothing changes (--verbose)."""
+    global _terminal
+    if log_dir is None:
+        yield
+        return
+    saved = [os.dup(1), os.dup(2)]
+    _terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    redirect(log_dir / "driver.log")
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved_fd in zip((1, 2), saved):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+        _terminal.close()
+        _terminal = None
+
+
+def tail(path: str | Path, lines: int = 20) -> str:
+    """The last `lines` lines of a log file ('' if there is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def warnings_in(log_dir: Path) -> int:
+    """How many lines of the folder's logs are warnings."""
+    count = 0
+    for path in log_dir.glob("*.log"):
+        with open(path, errors="replace") as f:
+            count += sum(1 for line in f if WARNING.search(line))
+    return count

@@ -6,7 +6,7 @@ DEMO   ?= graphs/tiny_grpo_cpu.yaml
 # test processes: most real runs keep one core busy while they start libraries and wait on each other
 TEST_WORKERS ?= 2
 
-.PHONY: demo test setup validate bench clean
+.PHONY: demo test test-fast setup validate bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20 tests
+
+# the tests that start no vLLM engine, Megatron rank or Ray: config, graph, placement, algorithms, pictures
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not engines" tests
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/bench.py

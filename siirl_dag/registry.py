@@ -22,7 +22,7 @@ class NodeKind:
     consumes: Keys = ()
     produces: Keys = ()
     strategies: tuple[str, ...] = ()  # empty: a compute node, runs on CPU beside the driver
-    params_schema: str | None = None  # file under schemas/nodes/
+    params_schema: str | None = None  # file under siirl_dag/schemas/nodes/
     trains: bool = False  # updates weights of its model (a valid `weights_from` target)
     check: Callable[..., list] | None = None  # extra checks: check(node, pipeline) -> [Problem]
     # checks of the prompts a run feeds it, before anything starts:

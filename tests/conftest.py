@@ -12,8 +12,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import pytest  # noqa: E402
 
+# The modules whose tests start a vLLM engine, Megatron ranks or Ray (marked `engines`); `make test-fast`
+# runs the rest: config, graph, placement, algorithms, pictures, packaging.
+ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_weight_sync", "test_vllm_strategy", "test_runtime", "test_cuda",
+                  "test_megatron_checkpoint", "test_megatron_cpu_compat", "test_megatron_critic",
+                  "test_megatron_engine", "test_megatron_hf_convert"}
 # Options of the session engine; tests that compare against HF need fp32.
 VLLM_TEST_OPTIONS = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 256, "enforce_eager": True}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in ENGINE_MODULES:
+            item.add_marker(pytest.mark.engines)
 
 
 @pytest.fixture(scope="session", autouse=True)

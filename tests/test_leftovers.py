@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from siirl_dag import leftovers
 from siirl_dag.leftovers import SHM_DIR
 
@@ -74,6 +76,7 @@ for path in left:
 """
 
 
+@pytest.mark.engines
 def test_stopping_ray_removes_the_semaphores_named_after_its_raylet():
     """The Ray backend stops the Ray it started with `stop_ray`: its raylet is gone by then, so what
     its weight-sync channels left is swept at once, not at the next run's first channel. (In a

@@ -1,6 +1,6 @@
 """JSON Schema (draft 2020-12) validation with defaults filled and errors a person can act on.
 
-The schema files in `schemas/` are the definition of the pipeline language; this module only loads
+The schema files in `siirl_dag/schemas/` are the definition of the pipeline language; this module only loads
 them, fills defaults (the jsonschema FAQ recipe: extend the `properties` keyword) and turns
 jsonschema's errors into `Problem`s with "did you mean" hints for misspelt keys and values.
 """
@@ -20,7 +20,7 @@ from jsonschema.exceptions import ValidationError, best_match
 
 from siirl_dag.errors import Problem
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
+SCHEMA_DIR = Path(__file__).resolve().parents[1] / "schemas"  # package data
 
 _JSON_TYPES = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a float", type(None): "null"}
 

@@ -1,6 +1,6 @@
 """The strategy's options: schema defaults, validation, and what this device cannot do.
 
-The JSON Schema under schemas/strategies/ is the single source of defaults; the config layer
+The JSON Schema under siirl_dag/schemas/strategies/ is the single source of defaults; the config layer
 validates pipelines with it, and the engine applies it again so it can be built directly.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
+from siirl_dag.config.schema import SCHEMA_DIR
 from siirl_dag.errors import ConfigError, Problem
 
-SCHEMA_PATH = Path(__file__).resolve().parents[3] / "schemas" / "strategies" / "megatron.schema.json"
+SCHEMA_PATH = SCHEMA_DIR / "strategies" / "megatron.schema.json"
 
 
 @functools.lru_cache(maxsize=1)

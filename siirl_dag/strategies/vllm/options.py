@@ -1,17 +1,16 @@
-"""Strategy options (schemas/strategies/vllm.schema.json) and per-call sampling parameters."""
+"""Strategy options (siirl_dag/schemas/strategies/vllm.schema.json) and per-call sampling parameters."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-from pathlib import Path
 from typing import Any
 
-from siirl_dag.config.schema import StrictValidator
+from siirl_dag.config.schema import SCHEMA_DIR, StrictValidator
 from siirl_dag.errors import ConfigError, Problem
 
-SCHEMA_PATH = Path(__file__).resolve().parents[3] / "schemas" / "strategies" / "vllm.schema.json"
+SCHEMA_PATH = SCHEMA_DIR / "strategies" / "vllm.schema.json"
 SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
 # Per-call keys: the options above, plus a seed and two shorthands for evaluation rollouts.
 SAMPLING_KEYS = SAMPLING_OPTIONS + ("seed", "greedy", "validate")

@@ -36,7 +36,8 @@ nodes:
      options: {{lr: 1.0e-2, micro_batch_size: 2}}, params: {{mini_batch_size: 4, entropy_coeff: 0.5}}}}
   - {{id: colo_rollout, kind: rollout, mesh: colo, model: policy, weights_from: actor_update, options: {rollout}}}
   - {{id: colo_logprob, kind: logprob, deps: [colo_rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
-runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05, weight_sync_path: {path}}}
+runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05, weight_sync_path: {path},
+           verify_probe_every: 1}}
 """
 # load_format dummy: random weights until the runtime's start-up sync (which the first assertion checks)
 ROLLOUT = ("{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true, "
@@ -84,6 +85,21 @@ def assert_same_logprobs(batch: Batch) -> None:
     mask = batch["response_mask"].bool()
     assert mask.sum() > 8
     torch.testing.assert_close(batch["rollout_logprobs"][mask], batch["old_logprobs"][mask], atol=1e-4, rtol=0)
+
+
+def _zero_a_layer_after_the_next_load(worker: RankWorker) -> None:
+    """Planted in a colocated rollout's process: the engine's next load ends with one layer's output
+    projection zeroed inside vLLM (what it computes with), though every tensor reached its loader."""
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+
+    load = VllmRollout.load_weights
+
+    def corrupted(self, named_tensors, version):
+        load(self, named_tensors, version)
+        VllmRollout.load_weights = load
+        self.llm.collective_rpc(lambda w: w.model_runner.get_model().model.layers[0].self_attn.o_proj.weight.data.zero_())
+
+    VllmRollout.load_weights = corrupted
 
 
 def _zero_half_of_a_tensor(worker: RankWorker) -> None:
@@ -139,6 +155,8 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
 
         both = rt.sync_weights()  # a new pipe, and the colocated rollout too
         assert rt.synced == {"rollout": 1, "colo_rollout": 1}
+        # the probe: both engines compute the same log-probs of a fixed batch (fp32: within 1e-5 here)
+        assert both["sync/rollout/probe_diff"] < 1e-4 and both["sync/colo_rollout/probe_diff"] < 1e-4
         assert both["sync/rollout/buckets"] > 5, "a small bucket size cuts the model into many buckets"
         assert both["sync/rollout/bytes"] == both["sync/colo_rollout/bytes"] > 0
         assert both["sync/rollout/load_s"] > 0 and both["sync/colo_rollout/handoff_s"] > 0
@@ -153,6 +171,14 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         assert later["sync/rollout/bytes"] == later["sync/colo_rollout/bytes"] == both["sync/rollout/bytes"]
         assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 12))
         assert_same_logprobs(sampled_logprobs(rt, "colo_rollout", "colo_logprob", 16))
+
+        # a layer zeroed inside the colocated rollout's engine after its load: the probe sees it
+        rt.run_step(prompts(20), step=3, nodes=TRAIN_STEP)
+        rt.backend.get([w.__ray_call__.remote(_zero_a_layer_after_the_next_load) for w, _ in rt.roles["colo_rollout"]])
+        with pytest.raises(PipelineError, match=r"weight sync 'actor_update' -> 'colo_rollout' \(version 3, path colocated"
+                                                r"\) failed: the rollout's log-probs of a fixed probe differ from the "
+                                                r"trainer's by [\d.e-]+ on average"):
+            rt.sync_weights()
 
 
 # --- the pieces alone, with engines that record what they get -----------------------------------------
@@ -410,6 +436,23 @@ def test_a_changed_value_is_named_with_its_tensor():
     with pytest.raises(SyncMismatch, match=r"tensor 'b' reached the engine with other values than the trainer sent "
                                            r"\(sampled element 11 of 16: 0.0 received, 1.0 sent"):
         got.check(sent.on_host())
+
+
+def test_the_probe_batch_is_fixed_and_its_check_has_a_tolerance_per_precision():
+    from siirl_dag.runtime.probe import check as check_probe
+    from siirl_dag.runtime.probe import probe_batch
+    from siirl_dag.weight_sync.fingerprints import SyncMismatch
+
+    batch = probe_batch(450)
+    assert torch.equal(batch["input_ids"], probe_batch(450)["input_ids"]) and batch["input_ids"].max() < 450
+    assert batch["responses"].shape == (2, 15) and bool(batch["response_mask"].all())
+    trainer = -5 * torch.rand(2, 15)
+    assert check_probe(trainer, trainer + 5e-4, float32=True) == pytest.approx(5e-4, rel=1e-3)
+    assert check_probe(trainer, trainer + 0.05, float32=False) == pytest.approx(0.05, rel=1e-3)
+    with pytest.raises(SyncMismatch, match=r"differ from the trainer's by 0.05 on average \(at most 0.05; tolerance 0.001\)"):
+        check_probe(trainer, trainer + 0.05, float32=True)
+    with pytest.raises(SyncMismatch):
+        check_probe(trainer, torch.full_like(trainer, float("nan")), float32=False)
 
 
 def test_a_failed_colocated_load_still_walks_the_trainers_export_to_its_end():

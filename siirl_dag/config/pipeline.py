@@ -151,6 +151,7 @@ class RuntimeSpec:
     staleness: int
     weight_sync_path: str  # auto, shared_memory or process_group (weight_sync.routes)
     verify_sync: bool
+    verify_probe_every: int
     weight_sync_bucket_mb: float
     cpus_per_rank: float
     stop_grace_s: float

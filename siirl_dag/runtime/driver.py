@@ -74,6 +74,7 @@ class Runtime:
         self.synced = {n: NOT_SYNCED for n in self.order if pipeline.nodes[n].weights_from}
         self.routes = routes(pipeline)  # rollout node -> how its weights travel (weight_sync.routes)
         self.sync_paths: dict = {}  # rollout node -> its weight_sync.path.SyncPath, made at its first sync
+        self.syncs = {n: 0 for n in self.synced}  # syncs done per rollout node (the probe's schedule)
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -339,10 +340,18 @@ class Runtime:
             src = self.pipe.nodes[dst].weights_from
             if have >= self.versions[src]:
                 continue
-            t0 = time.perf_counter()
+            t0, every = time.perf_counter(), self.pipe.runtime.verify_probe_every
+            vocab = (self.pipe.models[self.pipe.nodes[dst].model].hf_config() or {}).get("vocab_size")
+            probe = vocab and self.pipe.runtime.verify_sync and every and self.syncs[dst] % every == 0
             try:
                 path = self.sync_paths.get(dst) or self._sync_path(dst)
+                want = self._probe(src, vocab) if probe else None  # first: a colocated trainer holds the device now
+                t_probe = time.perf_counter() - t0
                 stats = path.sync(self.versions[src])
+                if probe:
+                    t1 = time.perf_counter()
+                    stats["sync/probe_diff"] = self._check_probe(src, dst, want, vocab)
+                    stats["sync/probe_s"] = t_probe + time.perf_counter() - t1
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
                 if dst in self.sync_paths:
                     self.sync_paths.pop(dst).close()  # a part may have stopped half-way: never used again
@@ -353,7 +362,23 @@ class Runtime:
             prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
             metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
             self.synced[dst] = self.versions[src]
+            self.syncs[dst] += 1
         return metrics
+
+    def _probe(self, node: str, vocab: int) -> list:
+        """Every rank's log-probs of the fixed probe batch (runtime.probe), on `node`'s engine."""
+        from siirl_dag.runtime.probe import probe_batch
+
+        return self.backend.get([self.backend.call(w, RankWorker.probe_logprobs, role.engine_key, probe_batch(vocab))
+                                 for w, role in self.roles[node]])
+
+    def _check_probe(self, src: str, dst: str, trainer: list, vocab: int) -> float:
+        """Every rollout rank's probe against the trainer's (its first rank's: all hold the whole batch)."""
+        from siirl_dag.runtime import probe
+
+        nodes = self.pipe.nodes
+        float32 = not nodes[src].options.get("bf16") and nodes[dst].options.get("dtype") == "float32"
+        return max(probe.check(trainer[0], rollout, float32) for rollout in self._probe(dst, vocab))
 
     def _sync_path(self, dst: str):
         """The SyncPath of `dst`'s route, over the ranks as they run now."""

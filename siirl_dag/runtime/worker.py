@@ -198,6 +198,11 @@ class RankWorker:
         self.active = dst_key
         return stats
 
+    def probe_logprobs(self, engine_key: str, batch: dict) -> Any:
+        """The engine's log-probs of a fixed batch (runtime.probe: verified sync's probe)."""
+        self._activate(engine_key)
+        return self.engines[engine_key].probe_logprobs(batch)
+
     def call_engine(self, engine_key: str, method: str, *args, **kwargs):
         """Direct engine calls the driver makes outside nodes (weight sync, checkpoints)."""
         return getattr(self.engines[engine_key], method)(*args, **kwargs)

@@ -234,6 +234,10 @@ class MegatronEngine(Strategy):
         keys = ["logprobs"] + (["entropy"] if return_entropy else [])
         return self._forward_only(batch, micro_batch_size, head, keys)
 
+    def probe_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Log-probs of the response tokens of a small fixed batch (verified sync's probe)."""
+        return self.compute_logprobs(batch)["logprobs"]
+
     def compute_values(self, batch: Mapping[str, Any], micro_batch_size: int | None = None) -> torch.Tensor:
         """Values [B, R]: entry j is the value of the state before response token j (the output at
         position P+j-1, as verl's critic); 0 on response padding."""

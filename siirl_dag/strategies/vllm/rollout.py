@@ -61,9 +61,8 @@ class VllmRollout(Strategy):
         self._left: list[str] = []  # files vLLM leaves behind (sockets; TP shared memory on CPU)
         self._sockets = leftovers.own_folder("siirl-vllm-rpc-", _RPC_BASE)
         self.llm = self._start_engine(self.model_path)
-        self.tokenizer, self.max_model_len = self.llm.get_tokenizer(), self.llm.llm_engine.model_config.max_model_len
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = self.tokenizer.eos_token_id if pad is None else pad
+        self.tokenizer = tok = self.llm.get_tokenizer()
+        self.pad_token_id = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
 
     def _start_engine(self, path: str):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process engine core (external_launcher needs it too)
@@ -119,7 +118,11 @@ class VllmRollout(Strategy):
         kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
         use_chat = self.options["chat_template"] if chat_template is None else chat_template
         prompt_ids = [prompt_token_ids(self.tokenizer, p, use_chat) for p in prompts]
-        self._check_lengths(prompt_ids, max_prompt_length, max_response_length)
+        bad = [(i, len(p)) for i, p in enumerate(prompt_ids) if not 0 < len(p) <= max_prompt_length]
+        if bad:  # a run's prompts were measured before it started (nodes/rollout.py); max_model_len too
+            shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in bad[:5])
+            raise ConfigError([Problem(("data", "max_prompt_length"), f"{len(bad)} prompt(s) empty or too long: {shown}, "
+                                       f"expected 1 to max_prompt_length={max_prompt_length}; raise it or filter the data")])
         seed, n = kw.pop("seed"), kw["n"]
         base = dict(kw, logprobs=0, detokenize=bool(kw["stop"]))  # only stop strings need the text
         # Seeded: prompt i gets seed + i*n and vLLM gives its samples seed + i*n + j, all distinct.
@@ -129,19 +132,6 @@ class VllmRollout(Strategy):
         samples = [Sample(i, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.finish_reason)
                    for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
         return pack_batch(prompt_ids, samples, max_prompt_length, max_response_length, self.pad_token_id)
-
-    def _check_lengths(self, prompt_ids: list[list[int]], max_prompt_length: int, max_response_length: int) -> None:
-        bad = [(i, len(p)) for i, p in enumerate(prompt_ids) if not 0 < len(p) <= max_prompt_length]
-        if bad:
-            shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in bad[:5])
-            raise ConfigError([Problem(("data", "max_prompt_length"),
-                                       f"{len(bad)} prompt(s) empty or too long: {shown}, expected 1 to "
-                                       f"max_prompt_length={max_prompt_length}; raise it or filter the data")])
-        if max_prompt_length + max_response_length > self.max_model_len:
-            raise ConfigError([Problem(("options", "max_model_len"),
-                                       f"max_prompt_length + max_response_length = "
-                                       f"{max_prompt_length + max_response_length} exceeds the engine's "
-                                       f"max_model_len={self.max_model_len}; raise it or shorten the lengths")])
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the weights in place with HF-named tensors (a generator is consumed once, by vLLM's own
@@ -160,6 +150,17 @@ class VllmRollout(Strategy):
             raise
         self.llm.reset_prefix_cache()
         self.weights_version, self._needs_weights = version, False
+
+    def probe_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Log-probs of the response tokens of a small fixed batch, teacher-forced (verified sync's probe)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], SamplingParams(
+            max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+        R = batch["responses"].shape[1]
+        return torch.tensor([[lp[t].logprob for lp, t in zip(o.prompt_logprobs[-R:], r[-R:])] for o, r in zip(outs, rows)])
 
     def offload(self) -> None:
         """Free the device for a colocated trainer (vLLM sleep mode; on CPU, where vLLM has none, the

@@ -4,6 +4,7 @@ then the command line from another folder, with the schemas read from the instal
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,8 +22,12 @@ def test_a_plain_install_validates_a_pipeline_from_another_folder(tmp_path):
     # the dependencies (torch, jsonschema, ...) come from this environment's folder, whose own .pth files
     # (this checkout's editable install among them) a path line does not run; the package is installed
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # built from a copy of the sources: a build writes its folders beside them
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "data", "outputs", "build", "*.egg-info",
+                                                                  "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-                    str(site), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    str(site), str(source)], check=True, capture_output=True, timeout=300)
     where = subprocess.run([python, "-c", "import siirl_dag, nodes; print(siirl_dag.__file__, nodes.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
     assert all(Path(f).is_relative_to(site) for f in where), where

@@ -75,6 +75,9 @@ class Runtime:
         self.routes = routes(pipeline)  # rollout node -> how its weights travel (weight_sync.routes)
         self.sync_paths: dict = {}  # rollout node -> its weight_sync.path.SyncPath, made at its first sync
         self.syncs = {n: 0 for n in self.synced}  # syncs done per rollout node (the probe's schedule)
+        # the probe's vocabulary, per rollout node (None: no model config on disk, no probe)
+        self.probe_vocab = {n: (pipeline.models[pipeline.nodes[n].model].hf_config() or {}).get("vocab_size")
+                            for n in self.synced}
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -340,18 +343,9 @@ class Runtime:
             src = self.pipe.nodes[dst].weights_from
             if have >= self.versions[src]:
                 continue
-            t0, every = time.perf_counter(), self.pipe.runtime.verify_probe_every
-            vocab = (self.pipe.models[self.pipe.nodes[dst].model].hf_config() or {}).get("vocab_size")
-            probe = vocab and self.pipe.runtime.verify_sync and every and self.syncs[dst] % every == 0
+            t0 = time.perf_counter()
             try:
-                path = self.sync_paths.get(dst) or self._sync_path(dst)
-                want = self._probe(src, vocab) if probe else None  # first: a colocated trainer holds the device now
-                t_probe = time.perf_counter() - t0
-                stats = path.sync(self.versions[src])
-                if probe:
-                    t1 = time.perf_counter()
-                    stats["sync/probe_diff"] = self._check_probe(src, dst, want, vocab)
-                    stats["sync/probe_s"] = t_probe + time.perf_counter() - t1
+                stats = self._sync_one(src, dst)
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
                 if dst in self.sync_paths:
                     self.sync_paths.pop(dst).close()  # a part may have stopped half-way: never used again
@@ -365,11 +359,28 @@ class Runtime:
             self.syncs[dst] += 1
         return metrics
 
+    def _sync_one(self, src: str, dst: str) -> dict:
+        """One pair's sync through its path, with the probe (runtime.probe) when it is due: the trainer's
+        side first, while a colocated trainer still holds the device."""
+        path = self.sync_paths.get(dst) or self._sync_path(dst)
+        every, vocab = self.pipe.runtime.verify_probe_every, self.probe_vocab[dst]
+        if not (vocab and self.pipe.runtime.verify_sync and every and self.syncs[dst] % every == 0):
+            return path.sync(self.versions[src])
+        t0 = time.perf_counter()
+        trainer = self._probe(src, vocab)
+        took = time.perf_counter() - t0
+        stats = path.sync(self.versions[src])
+        t0 = time.perf_counter()
+        stats["sync/probe_diff"] = self._check_probe(src, dst, trainer, vocab)
+        stats["sync/probe_s"] = took + time.perf_counter() - t0
+        return stats
+
     def _probe(self, node: str, vocab: int) -> list:
         """Every rank's log-probs of the fixed probe batch (runtime.probe), on `node`'s engine."""
         from siirl_dag.runtime.probe import probe_batch
 
-        return self.backend.get([self.backend.call(w, RankWorker.probe_logprobs, role.engine_key, probe_batch(vocab))
+        batch = probe_batch(vocab)
+        return self.backend.get([self.backend.call(w, RankWorker.probe_logprobs, role.engine_key, batch)
                                  for w, role in self.roles[node]])
 
     def _check_probe(self, src: str, dst: str, trainer: list, vocab: int) -> float:

@@ -52,11 +52,15 @@ class Strategy:
     def model_path(self) -> str:
         """The model's HF folder: given as a path, or as a spec (ModelSpec, dict) with a `path`."""
         model = self.model_spec
-        path = model if isinstance(model, (str, os.PathLike)) else (
-            model.get("path") if isinstance(model, dict) else getattr(model, "path", None))
+        path = model if isinstance(model, (str, os.PathLike)) else self.model_field("path")
         if not path:
             raise ConfigError(f"the {self.name} strategy needs a model with `path` (an HF model folder)", ("model",))
         return str(path)
+
+    def model_field(self, key: str) -> Any:
+        """A field of the model spec (ModelSpec, or a dict in tests and scripts), None if it has none."""
+        model = self.model_spec
+        return model.get(key) if isinstance(model, dict) else getattr(model, key, None)
 
     def offload(self) -> None:
         """Free the device for a colocated role (hybrid engine). Default: nothing to free."""

@@ -24,10 +24,12 @@ _METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_
 _OPTIMIZER_MARK = "siirl_has_optimizer"
 
 
-def _sharded(chunks: list[torch.nn.Module], state: Any, loading: bool) -> dict[str, Any]:
+def _sharded(chunks: list[torch.nn.Module], state: Any, loading: bool, adapters_only: bool) -> dict[str, Any]:
     # One sub-dict per chunk: sharded keys carry global layer numbers, so chunking (VPP) may
-    # differ between save and load.
-    model = {f"chunk{i}": c.sharded_state_dict(metadata=_METADATA) for i, c in enumerate(chunks)}
+    # differ between save and load. With adapters, the frozen base is the HF folder's: only the
+    # adapters (the only parameters the optimizer holds) are saved.
+    model = {f"chunk{i}": {k: v for k, v in c.sharded_state_dict(metadata=_METADATA).items()
+                           if not adapters_only or ".lora_" in k} for i, c in enumerate(chunks)}
     sd: dict[str, Any] = {"model": model}
     if state is not None:
         sd["optimizer"] = state.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_METADATA)
@@ -35,14 +37,14 @@ def _sharded(chunks: list[torch.nn.Module], state: Any, loading: bool) -> dict[s
     return sd
 
 
-def save(chunks: list[torch.nn.Module], state: Any, directory: str) -> None:
-    """Model (and optimizer + LR schedule once training started) of every rank into `directory`."""
+def save(chunks: list[torch.nn.Module], state: Any, directory: str, adapters_only: bool = False) -> None:
+    """Model, or its adapters (and optimizer + LR schedule once training started), of every rank into `directory`."""
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(chunks, state, loading=False), directory,
+    dist_checkpointing.save(_sharded(chunks, state, False, adapters_only), directory,
                             content_metadata={_OPTIMIZER_MARK: state is not None})
 
 
@@ -52,15 +54,18 @@ def has_optimizer(directory: str) -> bool:
     return bool((dist_checkpointing.load_content_metadata(directory) or {}).get(_OPTIMIZER_MARK))
 
 
-def load(chunks: list[torch.nn.Module], state: Any, directory: str) -> None:
+def load(chunks: list[torch.nn.Module], state: Any, directory: str, adapters_only: bool = False) -> None:
     """Load into this rank's shards, resharding from whatever mesh saved the checkpoint."""
     from megatron.core import dist_checkpointing
 
     if state is not None and not has_optimizer(directory):
         state = None
-    loaded = dist_checkpointing.load(_sharded(chunks, state, loading=True), directory)
+    loaded = dist_checkpointing.load(_sharded(chunks, state, True, adapters_only), directory)
     for i, c in enumerate(chunks):
-        c.load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+        missing, unexpected = c.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
+        wrong = unexpected + [k for k in missing if ".lora_" in k or not adapters_only]  # the base is the HF folder's
+        if wrong:
+            raise RuntimeError(f"checkpoint {directory} does not fit the model: {wrong[:3]}")
     if state is not None:
         state.optimizer.load_state_dict(loaded["optimizer"])
         state.scheduler.load_state_dict(loaded["scheduler"])
@@ -92,6 +97,21 @@ def save_hf(export: Iterable[tuple[str, torch.Tensor]], spec: HFSpec, directory:
         size += nbytes
     if writer:
         _write_dir(files, spec, directory, save_file)
+    dist.barrier()
+
+
+def save_peft(export: Iterable[tuple[str, torch.Tensor]], lora: Any, spec: HFSpec, directory: str) -> None:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's `base_model.model.`
+    names), written by rank 0 from the engine's adapter export. Collective, as `save_hf`."""
+    from safetensors.torch import save_file
+
+    writer = dist.get_rank() == 0
+    tensors = {f"base_model.model.{name}": t.cpu().contiguous() for name, t in export if writer}
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+        save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+            json.dump(lora.peft_config(os.path.abspath(spec.path)), f, indent=2)
     dist.barrier()
 
 

@@ -9,6 +9,7 @@ so tensor, pipeline (incl. virtual), expert and data parallelism share one code 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import RankContext, Strategy
-from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, offload, options, optim
+from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, lora, offload, options, optim
 from siirl_dag.strategies.megatron import model as model_lib
 from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
@@ -49,9 +50,11 @@ class MegatronEngine(Strategy):
         model_lib.init_parallel(self.mesh, self.opts["seed"])
         self.spec, shape = model_lib.model_config_kwargs(self.model_path, self.opts["value_head"])
         self.config = self._transformer_config(TransformerConfig, shape)
-        self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device)
+        self.lora = self.model_field("lora")  # config.lora.LoraSpec: the base frozen, adapters trained
+        self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device, self.lora, self.opts["seed"])
         self.train_state: optim.Trainable | None = None
-        self._bound = hf_convert.bind(self.chunks, self.spec.value_head)  # resolved once, for every export
+        bound = hf_convert.bind(self.chunks, self.spec.value_head)  # resolved once, for every export
+        self._exports = {"model": [b for b in bound if not b.rule.lora], "adapters": [b for b in bound if b.rule.lora]}
         self._offload = offload.Offload(self.opts)
 
     # ---------------------------------------------------------------- setup
@@ -222,9 +225,10 @@ class MegatronEngine(Strategy):
             out[k] = self._from_last_stage(full)
         return out
 
-    def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0,
-                         micro_batch_size: int | None = None, return_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding."""
+    def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0, micro_batch_size: int | None = None,
+                         return_entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor]:
+        """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding.
+        `adapters=False`: as the frozen base computes them (a reference model without weights of its own)."""
         self._need(False, "compute_logprobs")
 
         def head(mb, logits):
@@ -232,7 +236,8 @@ class MegatronEngine(Strategy):
             return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
 
         keys = ["logprobs"] + (["entropy"] if return_entropy else [])
-        return self._forward_only(batch, micro_batch_size, head, keys)
+        with contextlib.nullcontext() if adapters else lora.disabled(self.chunks):
+            return self._forward_only(batch, micro_batch_size, head, keys)
 
     def probe_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Log-probs of the response tokens of a small fixed batch (verified sync's probe)."""
@@ -350,24 +355,34 @@ class MegatronEngine(Strategy):
             for m in self.train_state.model:
                 m.start_param_sync(force_sync=True)
 
-    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False,
-                          timings: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False, timings: dict | None = None,
+                          what: str = "merged") -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) on every rank, or whole on the first rank only; collective over
         the model-parallel group. copy=False may yield views of the live parameters (see hf_convert.export_hf);
-        `timings["convert_s"]` accrues the seconds spent converting to HF's layout."""
+        `timings["convert_s"]` accrues the seconds spent converting to HF's layout. `what`, with
+        adapters: "merged" (the model as it computes, `W + scale * B A`), "base" (the frozen base),
+        "adapters" (only them, under PEFT's names); without, the three are the model (none for "adapters")."""
         self._sync_params()
-        return hf_convert.export_hf(self._bound, self.spec, copy, first_rank_only, timings)
+        bounds = self._exports["adapters" if what == "adapters" else "model"]
+        return hf_convert.export_hf(bounds, self.spec, copy, first_rank_only, timings, merged=what == "merged")
 
     def save_hf(self, directory: str) -> None:
+        """The model as it computes, merged adapters included, as an HF folder."""
         checkpoint.save_hf(self.export_hf_weights(first_rank_only=True), self.spec, directory)
 
+    def save_adapters(self, directory: str) -> None:
+        """The adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors) vLLM and peft load."""
+        checkpoint.save_peft(self.export_hf_weights(first_rank_only=True, what="adapters"), self.lora, self.spec,
+                             directory)
+
     def save_checkpoint(self, directory: str) -> None:
+        """Model and training state; with adapters only them and their optimizer (the base is the HF folder's)."""
         self._sync_params()
-        checkpoint.save(self.chunks, self.train_state, directory)
+        checkpoint.save(self.chunks, self.train_state, directory, adapters_only=self.lora is not None)
 
     def load_checkpoint(self, directory: str, load_optimizer: bool = True) -> None:
         state = self._trainable() if load_optimizer and checkpoint.has_optimizer(directory) else self.train_state
-        checkpoint.load(self.chunks, state, directory)
+        checkpoint.load(self.chunks, state, directory, adapters_only=self.lora is not None)
 
     # ------------------------------------------------------------- offload
     def offload(self) -> None:

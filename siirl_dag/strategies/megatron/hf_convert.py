@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
+from siirl_dag.strategies.megatron import lora
 from siirl_dag.strategies.megatron.hf_config import HFSpec
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class Rule:
 
     mcore: str
     hf: tuple[str, ...]
-    kind: str  # copy | vocab | col | row | qkv | gate_up
+    kind: str  # copy | vocab | col | row | qkv | gate_up | shared (one tensor, every HF name: a fused layer's lora_A)
+    lora: bool = False  # an adapter of `lora.py`, exported under PEFT's names
 
 
 _L = "model.layers.{L}."
@@ -65,6 +67,20 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("mlp.experts.local_experts.{e}.linear_fc2.weight", (_L + "mlp.experts.{E}.down_proj.weight",), "row"),
 )
+
+
+def _adapter_rules(weight: Rule) -> tuple[Rule, Rule]:
+    """lora_A and lora_B of the layer `weight` belongs to (lora.py), under PEFT's names: B's rows follow
+    the weight's (fused) layout; A's columns follow its input, sharded in row layers; the one A of a
+    fused layer goes to every projection it fuses."""
+    module, column = weight.mcore.removesuffix(".weight"), weight.kind in ("qkv", "gate_up")
+    peft = lambda ab: tuple(n.replace(".weight", f".lora_{ab}.weight") for n in weight.hf)  # noqa: E731
+    return (Rule(f"{module}.lora_A", peft("A"), "shared" if column else "row", lora=True),
+            Rule(f"{module}.lora_B", peft("B"), weight.kind if column else "copy", lora=True))
+
+
+RULES += tuple(adapter for weight in RULES if weight.mcore.endswith(
+    ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")) for adapter in _adapter_rules(weight))
 # Transformer Engine specs fuse the pre-norms into the following linear layer.
 _TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -89,6 +105,7 @@ class Bound:
     param: torch.Tensor
     layer: int | None  # global layer index
     expert: int | None  # global expert index
+    adapted: Any = None  # the layer, if this is the weight of a layer with an adapter (a merged export adds it)
 
     @property
     def unit(self) -> tuple:
@@ -114,6 +131,7 @@ def bind(chunks: list[torch.nn.Module], value_head: bool = False) -> list[Bound]
     out: list[Bound] = []
     for chunk in chunks:
         layer_numbers = [layer.layer_number for layer in getattr(chunk.decoder, "layers", [])]
+        names = {id(p): n for n, p in chunk.named_parameters()}
         for name, param in chunk.named_parameters():
             layer = expert = None
             m = _LAYER.match(name)
@@ -127,7 +145,9 @@ def bind(chunks: list[torch.nn.Module], value_head: bool = False) -> list[Bound]
             rule = VALUE_HEAD if value_head and name == VALUE_HEAD.mcore else _BY_NAME.get(name)
             if rule is None:
                 raise NotImplementedError(f"no HF mapping for megatron parameter {name!r}")
-            out.append(Bound(rule, param, layer, expert))
+            module = chunk.get_submodule(full.rsplit(".", 1)[0]) if "." in (full := names[id(param)]) else chunk
+            adapted = module if hasattr(module, "lora") and full.endswith(".weight") else None
+            out.append(Bound(rule, param, layer, expert, adapted))
     return out
 
 
@@ -173,7 +193,7 @@ def _qkv_groups(spec: HFSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 def to_mcore(kind: str, hf: list[torch.Tensor], spec: HFSpec, rank: int, size: int, rows: int) -> torch.Tensor:
     """HF tensors -> this TP rank's shard. `rows` is the shard's dim-0 size (for vocab padding)."""
-    if kind == "copy":
+    if kind in ("copy", "shared"):
         return hf[0]
     if kind == "vocab":
         full = hf[0].new_zeros(rows * size, hf[0].shape[1])
@@ -190,11 +210,11 @@ def to_mcore(kind: str, hf: list[torch.Tensor], spec: HFSpec, rank: int, size: i
     raise ValueError(kind)
 
 
-def to_hf(kind: str, shards: list[torch.Tensor], spec: HFSpec) -> list[torch.Tensor]:
-    """All TP shards of one megatron parameter -> the HF tensors (inverse of `to_mcore`). Where the
-    layouts already agree (one shard, say) the result views the shard rather than copying it."""
-    if kind == "copy":
-        return [shards[0]]
+def to_hf(kind: str, shards: list[torch.Tensor], spec: HFSpec, count: int = 1) -> list[torch.Tensor]:
+    """All TP shards of one megatron parameter -> the `count` HF tensors (inverse of `to_mcore`). Where
+    the layouts already agree (one shard, say) the result views the shard rather than copying it."""
+    if kind in ("copy", "shared"):
+        return [shards[0]] * count
     if kind == "vocab":
         return [_cat(shards)[: spec.vocab_size]]
     if kind == "col":
@@ -285,7 +305,7 @@ def _gather(t: torch.Tensor, size: int, group, everyone: bool) -> list[torch.Ten
 
 @torch.no_grad()
 def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool, groups: _Groups,
-                  timings: dict) -> list[tuple[str, torch.Tensor]]:
+                  timings: dict, merged: bool) -> list[tuple[str, torch.Tensor]]:
     """Full HF tensors of one unit held by this rank's stage: TP, then EP, gathered (to every rank,
     or to the first of each group only). Without `copy` they may view the live parameters.
     `timings["convert_s"]` accrues the time spent converting gathered shards to HF tensors."""
@@ -295,12 +315,12 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool,
         if b.rule.mcore == "output_layer.weight" and spec.tied:
             continue
         rank, size, group = groups.tp_of(b)
-        param = b.param.detach()
-        shards = _gather(param, size if b.rule.kind != "copy" else 1, group, everyone)
+        param = lora.merged(b.adapted) if merged and b.adapted is not None else b.param.detach()
+        shards = _gather(param, size if b.rule.kind not in ("copy", "shared") else 1, group, everyone)
         if not everyone and rank != 0:
             continue
         t0 = time.perf_counter()
-        hf = [t.contiguous() for t in to_hf(b.rule.kind, shards, spec)]
+        hf = [t.contiguous() for t in to_hf(b.rule.kind, shards, spec, len(b.rule.hf))]
         if copy:
             hf = [t.clone() if t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() else t for t in hf]
         timings["convert_s"] = timings.get("convert_s", 0.0) + time.perf_counter() - t0
@@ -325,8 +345,8 @@ def _unit_tensors(bounds: list[Bound], spec: HFSpec, copy: bool, everyone: bool,
     return out
 
 
-def export_hf(bounds: list[Bound], spec: HFSpec, copy: bool = True,
-              first_rank_only: bool = False, timings: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(bounds: list[Bound], spec: HFSpec, copy: bool = True, first_rank_only: bool = False,
+              timings: dict | None = None, merged: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, on every rank, unit by unit, from the model
     chunks' `bind`, which a caller exporting at every sync keeps: on a GPU the host's time per tensor,
     not the copies, bounds a sync of a model of small tensors. The tensors carry no autograd history
@@ -343,6 +363,7 @@ def export_hf(bounds: list[Bound], spec: HFSpec, copy: bool = True,
     Collective: every rank of the model-parallel group must iterate it to the end. Per unit, the
     owning pipeline stage gathers TP shards and EP experts, then broadcasts over the PP group (or
     sends to the first stage). `timings["convert_s"]`, if given, accrues the conversion's seconds.
+    `merged`: the weights of layers with an adapter are exported as `W + scale * B A` (lora.merged).
     """
     timings = {} if timings is None else timings
     ps, groups = _ps(), _Groups.now()
@@ -359,7 +380,7 @@ def export_hf(bounds: list[Bound], spec: HFSpec, copy: bool = True,
     device = bounds[0].param.device
     for unit in sorted(owners):
         mine = unit in units
-        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only, groups, timings) if mine else []
+        tensors = _unit_tensors(units[unit], spec, copy, not first_rank_only, groups, timings, merged) if mine else []
         if pp_size > 1 and first_rank_only:
             tensors = _to_first_stage(tensors, owners[unit], pp_ranks, pp_group, device) if owners[unit] else tensors
         elif pp_size > 1:

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from siirl_dag.config.lora import LoraSpec
 from siirl_dag.errors import ConfigError
 from siirl_dag.placement.parallel_dims import ParallelDims
-from siirl_dag.strategies.megatron import cpu_compat
+from siirl_dag.strategies.megatron import cpu_compat, lora
 from siirl_dag.strategies.megatron.hf_config import HFSpec, read_hf_config, transformer_config_kwargs
 from siirl_dag.strategies.megatron.hf_convert import load_hf
 
@@ -67,10 +68,13 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device) -> list[torch.nn.Module]:
-    """GPTModel chunks (one per virtual stage) of this rank on `device`, holding the HF weights.
-    megatron makes its parallel layers' weights on the GPU itself, but not the torch modules of its
-    local spec (the RMSNorms without Apex or Transformer Engine): the chunks are moved as a whole."""
+def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
+                lora_spec: LoraSpec | None = None, seed: int = 0) -> list[torch.nn.Module]:
+    """GPTModel chunks (one per virtual stage) of this rank on `device`, holding the HF weights, and
+    frozen under adapters with `lora_spec` (their layers local, not Transformer Engine's, which fuse the
+    pre-norms into the linears an adapter must see the input of). megatron makes its parallel layers'
+    weights on the GPU itself, but not the torch modules of its local spec (the RMSNorms without Apex
+    or Transformer Engine): the chunks are moved as a whole."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -81,7 +85,7 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device) 
     for vp in range(mesh.vpp):
         vp_stage = vp if mesh.vpp > 1 else None
         layer_spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_transformer_engine(), normalization="RMSNorm",
+            config, use_transformer_engine=use_transformer_engine() and lora_spec is None, normalization="RMSNorm",
             vp_stage=vp_stage, pp_rank=ps.get_pipeline_model_parallel_rank(),
         )
         chunk = GPTModel(
@@ -103,6 +107,8 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device) 
             chunk.output_layer = ValueHead(config, chunk.output_layer.weight.device)
         chunks.append(chunk.to(device))
     load_hf(chunks, spec)
+    if lora_spec is not None:
+        lora.inject(chunks, lora_spec, seed)
     return chunks
 
 

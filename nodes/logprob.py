@@ -9,10 +9,22 @@ def _produces(params):
     return (params["output"],) + (("entropy",) if params.get("return_entropy") else ())
 
 
-@node_kind("logprob", consumes=INPUTS, produces=_produces, strategies=("megatron",), params_schema="logprob")
+def _adapters_off_need_them(node, pipeline) -> list:
+    """`adapters: off` on a model without adapters is a mistake worth naming."""
+    from siirl_dag.errors import Problem
+
+    if node.params["adapters"] == "off" and pipeline.models[node.model].lora is None:
+        return [Problem(pipeline.node_path(node.id) + ("params", "adapters"), f"model '{node.model}' has no LoRA "
+                        "adapters to switch off; expected models.<name>.lora, or adapters: on")]
+    return []
+
+
+@node_kind("logprob", consumes=INPUTS, produces=_produces, strategies=("megatron",), params_schema="logprob",
+           check=_adapters_off_need_them)
 def logprob(batch, ctx):
     """Forward only; writes `params.output` (old_logprobs or ref_logprobs)."""
-    out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"], return_entropy=ctx.params["return_entropy"])
+    out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"], return_entropy=ctx.params["return_entropy"],
+                                      adapters=ctx.params["adapters"] == "on")
     result = {ctx.params["output"]: out["logprobs"]}
     if ctx.params["return_entropy"]:
         result["entropy"] = out["entropy"]

@@ -52,6 +52,9 @@ STRATEGIES: dict[str, str] = {
 }
 
 
+# The strategies that train or serve LoRA adapters (models.<name>.lora); a model with them runs on no other.
+LORA_STRATEGIES = ("megatron", "vllm")
+
 # Checks of a strategy's options beyond the schema (rules across keys), run by `validate`:
 # name -> "module:function(options) -> options", raising ConfigError with ("options", key) paths.
 OPTION_CHECKS: dict[str, str] = {

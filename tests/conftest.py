@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 # The modules whose tests start a vLLM engine, Megatron ranks or Ray (marked `engines`); `make test-fast`
 # runs the rest: config, graph, placement, algorithms, pictures, packaging.
-ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_weight_sync", "test_vllm_strategy", "test_runtime", "test_cuda",
+ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_weight_sync", "test_lora_sync", "test_megatron_lora", "test_vllm_strategy", "test_runtime", "test_cuda",
                   "test_megatron_checkpoint", "test_megatron_cpu_compat", "test_megatron_critic",
                   "test_megatron_engine", "test_megatron_hf_convert"}
 # Options of the session engine; tests that compare against HF need fp32.

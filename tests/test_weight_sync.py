@@ -215,7 +215,7 @@ class ExportingEngine:
     def __init__(self, n: int, fail_at: int | None = None):
         self.n, self.walked, self.fail_at = n, 0, fail_at
 
-    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False, timings=None):
+    def export_hf_weights(self, copy: bool = True, first_rank_only: bool = False, timings=None, what="merged"):
         for i in range(self.n):
             if i == self.fail_at:
                 raise RuntimeError("gather failed")
@@ -460,7 +460,7 @@ def test_a_failed_colocated_load_still_walks_the_trainers_export_to_its_end():
 
     trainer, engine = ExportingEngine(40), RecordingEngine(fail_at="w3")
     with pytest.raises(KeyError, match="no parameter w3"):
-        handoff(trainer, engine, 1)
+        handoff(trainer, engine, 1, "model")
     assert trainer.walked == 40, "the other trainer ranks are not left waiting in the export's collectives"
     assert engine.version == 0
 
@@ -478,12 +478,12 @@ def test_a_sync_puts_the_exporting_trainer_on_the_device_first():
     worker.engines = {"t": resident(ExportingEngine(2), "t"), "r": resident(RecordingEngine(), "r"),
                       "c": resident(RecordingEngine(), "c")}
     worker.active = "c"
-    worker.handoff_weights("t", "r", 1)
+    worker.handoff_weights("t", "r", 1, "model")
     assert events == ["c off", "t on", "r on", "t off"] and worker.active == "r"
     assert worker.engines["r"].loaded == ["w0", "w1"]
     events.clear()
     worker.active = "c"
-    worker.walk_export("t")
+    worker.walk_export("t", "model")
     assert events == ["c off", "t on"] and worker.active == "t"
 
 

@@ -7,9 +7,10 @@ when the earlier ones leave data of the expected shape, so one mistake yields on
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from siirl_dag.config import roll_compat, schema
+from siirl_dag.config import lora, roll_compat, schema
 from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
 from siirl_dag.config.yaml_loader import load_yaml, locate
@@ -17,7 +18,7 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
-from siirl_dag.registry import DTYPE_OPTIONS, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
+from siirl_dag.registry import DTYPE_OPTIONS, LORA_STRATEGIES, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
 from siirl_dag.weight_sync.routes import problems as sync_route_problems
 
 
@@ -228,6 +229,55 @@ def _data_warnings(pipe: Pipeline) -> list[Problem]:
                     severity="warning") for key, f in files if not Path(f).is_file()]
 
 
+def _read_models(raw: dict, problems: list[Problem]) -> dict[str, ModelSpec]:
+    """Model specs, each `lora:` block checked against its model's HF config (config.lora)."""
+    models = {}
+    for name, fields in raw.items():
+        model = ModelSpec(name, **{**fields, "lora": None})
+        if fields.get("lora"):
+            try:
+                spec, found = lora.resolve(fields["lora"], model.hf_config(), ("models", name, "lora"))
+            except ConfigError as exc:  # an unreadable config.json
+                spec, found = None, exc.problems
+            problems += found
+            model = replace(model, lora=spec)
+        models[name] = model
+    return models
+
+
+def _lora_problems(pipe: Pipeline) -> list[Problem]:
+    """What the adapters of a model need of every node that runs it (after placement: the meshes' sizes)."""
+    problems = []
+    for node in pipe.nodes.values():
+        spec = pipe.models[node.model].lora if node.model else None
+        if spec is None:
+            continue
+        where, options = pipe.node_path(node.id), node.options
+        if node.strategy not in LORA_STRATEGIES:
+            problems.append(Problem(where + ("strategy",), f"model '{node.model}' has LoRA adapters, which strategy "
+                                    f"'{node.strategy}' cannot run; expected one of {list(LORA_STRATEGIES)}"))
+        if node.strategy == "vllm" and options.get("load_format") == "dummy" \
+                and lora.payload(spec, pipe.cluster.device)[0] == "adapters":
+            problems.append(Problem(where + ("options", "load_format"), "a rollout that applies adapters to its base "
+                                    "loads that base from the model folder; expected load_format auto"))
+        if node.strategy != "megatron":
+            continue
+        dims = pipe.plan.meshes[node.mesh].dims
+        if spec.on_experts and dims.etp > 1:
+            problems.append(Problem(("meshes", node.mesh), f"adapters on routed experts need expert tensor parallel 1, "
+                                    f"the mesh has {dims.etp}; expected ffn t1 (megatron:(attn:...|ffn:...t1...))"))
+        if dims.cp > 1:
+            problems.append(Problem(("meshes", node.mesh), f"LoRA with context parallel (c{dims.cp}) is not supported: it "
+                                    "needs Transformer Engine's layers, and adapters take megatron's own; expected c1"))
+        if spec.on_experts and options.get("moe_grouped_gemm"):
+            problems.append(Problem(where + ("options", "moe_grouped_gemm"), "adapters on routed experts sit on "
+                                    "megatron's per-expert layers; expected moe_grouped_gemm: false"))
+        if options.get("value_head"):
+            problems.append(Problem(where + ("model",), f"model '{node.model}' has LoRA adapters, which a value model "
+                                    "(critic) does not take yet; expected a model without `lora` for the critic"))
+    return problems
+
+
 def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
     """Models the nodes use must be on disk to run; `validate` only warns (a plan needs no weights)."""
     problems = []
@@ -282,18 +332,20 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     files = lambda v: tuple([v] if isinstance(v, str) else v or [])  # noqa: E731
     pipe = Pipeline(
         name=doc["name"], file=file, cluster=ClusterSpec(**doc["cluster"]),
-        models={k: ModelSpec(k, **v) for k, v in doc["models"].items()},
+        models=_read_models(doc["models"], problems),
         data=DataSpec(**{**data, "train_files": files(data["train_files"]), "val_files": files(data.get("val_files"))}),
         meshes=meshes, nodes=nodes, kinds={k: kinds[k] for k in nodes}, graph=graph,
         trainer=TrainerSpec(**{**doc["trainer"], "logger": tuple(doc["trainer"]["logger"])}),
         runtime=RuntimeSpec(**doc["runtime"]), positions=positions, touched=touched,
     )
+    if _errors(problems):  # a LoRA block that does not fit its model
+        raise ConfigError(located(problems))
     problems += check_data_flow(graph, pipe.consumes, pipe.produces)
     problems += _check_weights_from(nodes, pipe.kinds)
     if place and not _errors(problems):
         try:
             pipe.plan = place_meshes(pipe.cluster, _mesh_requests(pipe, components))
-            problems += pipe.plan.warnings + sync_route_problems(pipe)
+            problems += pipe.plan.warnings + sync_route_problems(pipe) + _lora_problems(pipe)
         except ConfigError as exc:
             problems += exc.problems
     if not _errors(problems):

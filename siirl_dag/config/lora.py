@@ -28,6 +28,7 @@ class LoraSpec:
     targets: frozenset[str]  # HF projections: dense ones ("q_proj") and routed experts' ("experts.gate_proj")
     dropout: float = 0.0
     init: str = "kaiming"  # kaiming (PEFT's default for A) | gaussian; B starts at zero either way
+    moe: bool = False  # the model has routed experts
 
     @property
     def scale(self) -> float:
@@ -45,10 +46,20 @@ class LoraSpec:
                 "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None}
 
 
+def payload(spec: LoraSpec | None, device: str) -> tuple[str, str]:
+    """What travels from a model's trainer to its rollouts, and why: "model" (its weights, adapters
+    merged in) or "adapters" (only them; the rollout applies them to the base it loaded)."""
+    if spec is None:
+        return "model", "the model's weights"
+    if device == "cpu" and spec.moe:
+        return "model", ("the weights with the adapters merged in: vLLM serves LoRA on an MoE model through "
+                         "Triton kernels, which CPUs lack")
+    return "adapters", "only the adapters: vLLM applies them to the base it loaded"
+
+
 def layers_of(hf_config: dict[str, Any]) -> tuple[bool, bool]:
     """(the model has dense MLPs, it has routed experts), as its HF config says."""
-    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0) > 0 \
-        and hf_config.get("model_type") == "qwen3_moe"
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0) > 0
     if not experts:
         return True, False
     n, step = int(hf_config.get("num_hidden_layers", 1)), int(hf_config.get("decoder_sparse_step", 1))
@@ -86,4 +97,4 @@ def resolve(raw: dict[str, Any], hf_config: dict[str, Any] | None, path: tuple) 
     if problems:
         return None, problems
     return LoraSpec(raw["rank"], float(raw.get("alpha") or raw["rank"]), frozenset(targets), raw["dropout"],
-                    raw["init"]), []
+                    raw["init"], experts), []

@@ -400,7 +400,7 @@ class Runtime:
         src, runtime = self.pipe.nodes[dst].weights_from, self.pipe.runtime
         placed = Placed(src, dst, self.backend, [(w, r.engine_key) for w, r in self.roles[src]],
                         [(w, r.engine_key) for w, r in self.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),
-                        runtime.verify_sync, self.pipe.cluster.device)
+                        runtime.verify_sync, self.pipe.cluster.device, self.routes[dst].payload)
         row = next(row for row in TABLE if row.name == self.routes[dst].path)
         self.sync_paths[dst] = import_ref(row.ref)(placed)
         return self.sync_paths[dst]

@@ -162,28 +162,29 @@ class RankWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool) -> dict:
-        """The trainer's rank 0: its export into the pipe, bucket by bucket (fingerprinted if `verify`)."""
+    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool, payload: str) -> dict:
+        """The trainer's rank 0: its export (the model, or its adapters) into the pipe, bucket by bucket
+        (fingerprinted if `verify`)."""
         from siirl_dag.weight_sync import stream
 
         self._activate(engine_key)
-        return stream.send(self.engines[engine_key], self.pipes[pipe], bucket_bytes, verify)
+        return stream.send(self.engines[engine_key], self.pipes[pipe], bucket_bytes, verify, payload)
 
-    def walk_export(self, engine_key: str) -> None:
+    def walk_export(self, engine_key: str, payload: str) -> None:
         """The other trainer ranks: take part in the export's collectives."""
         from siirl_dag.weight_sync import stream
 
         self._activate(engine_key)
-        stream.walk(self.engines[engine_key])
+        stream.walk(self.engines[engine_key], payload)
 
-    def receive_weights(self, engine_key: str, version: int, pipe: str, verify: bool) -> dict:
+    def receive_weights(self, engine_key: str, version: int, pipe: str, verify: bool, payload: str) -> dict:
         """A rollout rank: the pipe's buckets into one load of its engine, checked if `verify`, stamped `version`."""
         from siirl_dag.weight_sync import stream
 
         self._activate(engine_key)
-        return stream.receive(self.engines[engine_key], self.pipes[pipe], version, verify)
+        return stream.receive(self.engines[engine_key], self.pipes[pipe], version, verify, payload)
 
-    def handoff_weights(self, src_key: str, dst_key: str, version: int) -> dict:
+    def handoff_weights(self, src_key: str, dst_key: str, version: int, payload: str) -> dict:
         """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives
         the device up first), load it from the trainer in memory, then free the trainer."""
         from siirl_dag.weight_sync import stream
@@ -193,7 +194,7 @@ class RankWorker:
         for key in (src_key, dst_key):
             if key != self.active:
                 self.engines[key].onload()
-        stats = stream.handoff(self.engines[src_key], self.engines[dst_key], version)
+        stats = stream.handoff(self.engines[src_key], self.engines[dst_key], version, payload)
         self.engines[src_key].offload()
         self.active = dst_key
         return stats

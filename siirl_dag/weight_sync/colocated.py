@@ -14,7 +14,7 @@ class Colocated:
 
     def sync(self, version: int) -> dict:
         pair, backend = self.pair, self.pair.backend
-        calls = [backend.call(worker, RankWorker.handoff_weights, src, dst, version)
+        calls = [backend.call(worker, RankWorker.handoff_weights, src, dst, version, pair.payload)
                  for (worker, src), (_, dst) in zip(pair.trainer_ranks, pair.rollout_ranks)]
         return dict(wait_all(backend, calls)[0])
 

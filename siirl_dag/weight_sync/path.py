@@ -29,6 +29,7 @@ class Placed:
     bucket_bytes: int
     verify: bool
     device: str
+    payload: str = "model"  # "model" (its weights) or "adapters" (LoRA adapters alone): routes.Route.payload
 
 
 class SyncPath(Protocol):
@@ -77,9 +78,10 @@ class Streamed:
     def sync(self, version: int) -> dict:
         pair, backend = self.pair, self.pair.backend
         (keeper, key), walkers = pair.trainer_ranks[0], pair.trainer_ranks[1:]
-        calls = [backend.call(w, RankWorker.walk_export, k) for w, k in walkers]
-        calls.append(backend.call(keeper, RankWorker.send_weights, key, self.name, pair.bucket_bytes, pair.verify))
-        calls += [backend.call(w, RankWorker.receive_weights, k, version, self.name, pair.verify)
+        calls = [backend.call(w, RankWorker.walk_export, k, pair.payload) for w, k in walkers]
+        calls.append(backend.call(keeper, RankWorker.send_weights, key, self.name, pair.bucket_bytes, pair.verify,
+                                  pair.payload))
+        calls += [backend.call(w, RankWorker.receive_weights, k, version, self.name, pair.verify, pair.payload)
                   for w, k in pair.rollout_ranks]
         results = wait_all(backend, calls)
         stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]

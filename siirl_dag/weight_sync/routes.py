@@ -31,6 +31,8 @@ class Pair:
 class Route:
     path: str  # the name of a row
     reason: str
+    payload: str = "model"  # what travels: config.lora.payload
+    payload_reason: str = "the model's weights"
 
 
 def _colocated(p: Pair) -> str | None:
@@ -84,14 +86,18 @@ def pair_of(pipe: Any, rollout: str) -> Pair:
 
 def routes(pipe: Any) -> dict[str, Route]:
     """rollout node -> the route of its weights, for every node with `weights_from` (once placed)."""
+    from siirl_dag.config.lora import payload  # the config package imports this module
+
     pairs = [pair_of(pipe, n.id) for n in pipe.nodes.values() if n.weights_from and pipe.plan]
-    return {p.rollout: next(Route(row.name, why) for row in TABLE if (why := row.rule(p))) for p in pairs}
+    what = {p.rollout: payload(pipe.models[pipe.nodes[p.rollout].model].lora, p.device) for p in pairs}
+    return {p.rollout: next(Route(row.name, why, *what[p.rollout]) for row in TABLE if (why := row.rule(p)))
+            for p in pairs}
 
 
 def routes_json(pipe: Any) -> list[dict]:
     """Each pair's route, as `plan --json` and `validate --json` print it."""
-    return [{"trainer": pipe.nodes[rollout].weights_from, "rollout": rollout, "path": r.path, "reason": r.reason}
-            for rollout, r in routes(pipe).items()]
+    return [{"trainer": pipe.nodes[rollout].weights_from, "rollout": rollout, "path": r.path, "reason": r.reason,
+             "payload": r.payload, "payload_reason": r.payload_reason} for rollout, r in routes(pipe).items()]
 
 
 def problems(pipe: Any) -> list[Problem]:

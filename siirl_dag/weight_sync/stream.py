@@ -36,12 +36,14 @@ class Aborted:
         return RuntimeError(f"the trainer's weight export failed: {self.reason}")
 
 
-def exported(engine: Any, stats: dict, first_rank_only: bool = True) -> Iterator[Named]:
-    """The trainer engine's HF export (views where no conversion is needed), timed into `stats`:
+def exported(engine: Any, stats: dict, payload: str, first_rank_only: bool = True) -> Iterator[Named]:
+    """The trainer engine's HF export of the model (adapters merged in) or of its adapters alone (`payload`;
+    views where no conversion is needed), timed into `stats`:
     sync/convert_s into HF's layout (split fused q/k/v, gate/up), sync/gather_s the rest (TP/EP shards,
     PP stages), once walked to its end."""
     timings, stats["sync/gather_s"] = {"convert_s": 0.0}, stats.get("sync/gather_s", 0.0)
-    export = engine.export_hf_weights(copy=False, first_rank_only=first_rank_only, timings=timings)
+    export = engine.export_hf_weights(copy=False, first_rank_only=first_rank_only, timings=timings,
+                                      what="adapters" if payload == "adapters" else "merged")
     while True:
         t0 = time.perf_counter()
         item = next(export, None)
@@ -81,11 +83,11 @@ class Buckets:
         return bucket
 
 
-def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool) -> dict:
+def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool, payload: str) -> dict:
     """The trainer's rank 0: every bucket of its export into `pipe`, then the `End`. sync/send_s is the
     time spent writing (including any wait for a slower reader), sync/fingerprint_s the sampling."""
     stats: dict = {"sync/send_s": 0.0, "sync/fingerprint_s": 0.0}
-    buckets, prints = Buckets(exported(engine, stats), bucket_bytes, stats), Fingerprints() if verify else None
+    buckets, prints = Buckets(exported(engine, stats, payload), bucket_bytes, stats), Fingerprints() if verify else None
     try:
         while (bucket := buckets.next()) is not None:
             t0 = time.perf_counter()
@@ -106,13 +108,13 @@ def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool) -> dict:
     return stats
 
 
-def walk(engine: Any) -> None:
+def walk(engine: Any, payload: str) -> None:
     """Every trainer rank but the first: take part in the export's collectives, keeping nothing."""
-    for _ in exported(engine, {}):
+    for _ in exported(engine, {}, payload):
         pass
 
 
-def receive(engine: Any, pipe: Any, version: int, verify: bool) -> dict:
+def receive(engine: Any, pipe: Any, version: int, verify: bool, payload: str) -> dict:
     """A rollout rank: the pipe's buckets into one load of `engine`, stamped `version` once the `End`
     has come and, if `verify`, its fingerprints match (sync/verify_s: sampling and comparing). If the
     engine fails, the rest of the stream is still read, so the trainer finishes."""
@@ -142,7 +144,7 @@ def receive(engine: Any, pipe: Any, version: int, verify: bool) -> dict:
     t0, stream = time.perf_counter(), tensors()
     try:
         with torch.no_grad():  # the engine loads in this thread's grad mode otherwise
-            engine.load_weights(stream, version)
+            (engine.load_adapters if payload == "adapters" else engine.load_weights)(stream, version)
         if not ended:
             raise RuntimeError("the rollout engine stopped reading weights before the stream ended")
     finally:
@@ -153,12 +155,12 @@ def receive(engine: Any, pipe: Any, version: int, verify: bool) -> dict:
     return stats
 
 
-def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
+def handoff(src_engine: Any, dst_engine: Any, version: int, payload: str) -> dict:
     """Colocated meshes: the rollout engine loads straight from the trainer engine's export, tensors by
     reference; the export is walked to its end whatever happens (the other trainer ranks take part in
     its collectives)."""
     stats, t0 = {"sync/bytes": 0}, time.perf_counter()
-    export = exported(src_engine, stats, first_rank_only=False)
+    export = exported(src_engine, stats, payload, first_rank_only=False)
 
     def counted() -> Iterator[Named]:
         for name, t in export:
@@ -167,7 +169,7 @@ def handoff(src_engine: Any, dst_engine: Any, version: int) -> dict:
 
     try:
         with torch.no_grad():
-            dst_engine.load_weights(counted(), version)
+            (dst_engine.load_adapters if payload == "adapters" else dst_engine.load_weights)(counted(), version)
     finally:
         with suppress(Exception):
             for _ in export:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from siirl_dag import leftovers
+from siirl_dag.config.lora import payload
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
@@ -30,6 +31,7 @@ from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
 
 log = logging.getLogger(__name__)
 _RPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()  # read before an engine sets it
+_ADAPTER_ID = 1
 # vLLM says this at INFO whenever the prefix cache is reset, which a weight update does every step
 logging.getLogger("vllm.v1.core.block_pool").addFilter(lambda r: r.getMessage() != "Successfully reset prefix cache")
 
@@ -54,6 +56,9 @@ class VllmRollout(Strategy):
     def __init__(self, ctx: RankContext, model: Any, options: dict[str, Any]):
         super().__init__(ctx, model, resolve_options(options))
         self.tp, self.weights_version = ctx.dims.tp, 0
+        # LoRA: served as adapters, or (config.lora.payload) as weights with them merged in
+        self.lora, self._lora_request = self.model_field("lora"), None
+        self.adapters = payload(self.lora, "cpu" if cpu_compat.active() else "cuda")[0] == "adapters"
         # True while the engine holds no complete weights: load_format dummy, a level-2 sleep, a failed load
         self._needs_weights = self.options["load_format"] == "dummy"
         # A TP group's message queue binds two ZMQ sockets as files in VLLM_RPC_BASE_PATH that nothing
@@ -76,6 +81,8 @@ class VllmRollout(Strategy):
             enable_prefix_caching=opts["enable_prefix_caching"], logprobs_mode=opts["logprobs_mode"],
             load_format=opts["load_format"], tensor_parallel_size=self.tp, enable_sleep_mode=True,
         )
+        if self.adapters:  # one adapter, on every row (rows without one beside it would take the last slot on CPU)
+            kwargs.update(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=1)
         if group and dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, the mesh {self.ctx.world_size}")
         if group:
@@ -128,7 +135,8 @@ class VllmRollout(Strategy):
         # Seeded: prompt i gets seed + i*n and vLLM gives its samples seed + i*n + j, all distinct.
         params = (SamplingParams(**base) if seed is None
                   else [SamplingParams(**base, seed=seed + i * n) for i in range(len(prompt_ids))])
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
         samples = [Sample(i, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.finish_reason)
                    for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
         return pack_batch(prompt_ids, samples, max_prompt_length, max_response_length, self.pad_token_id)
@@ -151,6 +159,23 @@ class VllmRollout(Strategy):
         self.llm.reset_prefix_cache()
         self.weights_version, self._needs_weights = version, False
 
+    def load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the LoRA adapters the engine applies with these (HF-named, in memory: no file) and stamp
+        `version`; if that fails the engine refuses to generate until a load succeeds."""
+        from vllm.lora.request import LoRARequest
+
+        if version < self.weights_version:
+            raise ValueError(f"weights version {version} is older than the engine's {self.weights_version}")
+        try:  # cloned: vLLM scales lora_B in place
+            tensors = {f"base_model.model.{name}": t.clone() for name, t in named_tensors}
+            self.llm.collective_rpc(_load_adapters, args=(tensors, self.lora.peft_config(self.model_path)))
+        except BaseException:
+            self._needs_weights = True
+            raise
+        self._lora_request = LoRARequest("adapters", _ADAPTER_ID, "mem://adapters")
+        self.llm.reset_prefix_cache()  # its blocks are keyed on the adapter's name, which stays
+        self.weights_version, self._needs_weights = version, False
+
     def probe_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """Log-probs of the response tokens of a small fixed batch, teacher-forced (verified sync's probe)."""
         from vllm import SamplingParams
@@ -158,7 +183,7 @@ class VllmRollout(Strategy):
 
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], SamplingParams(
-            max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+            max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False, lora_request=self._lora_request)
         R = batch["responses"].shape[1]
         return torch.tensor([[lp[t].logprob for lp, t in zip(o.prompt_logprobs[-R:], r[-R:])] for o, r in zip(outs, rows)])
 
@@ -182,6 +207,19 @@ class VllmRollout(Strategy):
         leftovers.remove(self._left)
         with contextlib.suppress(OSError):  # another engine of this process may still use it
             os.rmdir(self._sockets)
+
+
+def _load_adapters(worker: Any, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Runs in vLLM's worker: the adapter built from the tensors, in place of the one before."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager._adapter_manager
+    adapter = LoRAModel.from_lora_tensors(_ADAPTER_ID, tensors, PEFTHelper.from_dict(config),
+                                          device=str(worker.model_runner.device), dtype=worker.model_runner.model_config.dtype)
+    manager.remove_adapter(_ADAPTER_ID)
+    manager.add_adapter(adapter)
+    manager.activate_adapter(_ADAPTER_ID)
 
 
 def _load_weights(worker: Any, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -13,7 +13,7 @@ def _adapters_off_need_them(node, pipeline) -> list:
     """`adapters: off` on a model without adapters is a mistake worth naming."""
     from siirl_dag.errors import Problem
 
-    if node.params["adapters"] == "off" and pipeline.models[node.model].lora is None:
+    if not node.params["adapters"] and pipeline.models[node.model].lora is None:
         return [Problem(pipeline.node_path(node.id) + ("params", "adapters"), f"model '{node.model}' has no LoRA "
                         "adapters to switch off; expected models.<name>.lora, or adapters: on")]
     return []
@@ -24,7 +24,7 @@ def _adapters_off_need_them(node, pipeline) -> list:
 def logprob(batch, ctx):
     """Forward only; writes `params.output` (old_logprobs or ref_logprobs)."""
     out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"], return_entropy=ctx.params["return_entropy"],
-                                      adapters=ctx.params["adapters"] == "on")
+                                      adapters=ctx.params["adapters"])
     result = {ctx.params["output"]: out["logprobs"]}
     if ctx.params["return_entropy"]:
         result["entropy"] = out["entropy"]

@@ -186,13 +186,30 @@ def test_a_damaged_checkpoint_is_refused_before_start_naming_the_file(tmp, damag
 
 def test_a_checkpoint_of_another_model_is_refused_at_the_model(tmp):
     folder = write_checkpoint(tmp, 2)
-    assert json.loads((folder / "trainer_state.json").read_text())["models"] == {"actor_update": MODEL}
+    assert json.loads((folder / "trainer_state.json").read_text())["models"] == {"actor_update": {**MODEL, "lora": None}}
     (tmp / "model" / "config.json").write_text(json.dumps({**MODEL, "hidden_size": 64}))
     message = refused(tmp)
     assert message.startswith(f"{tmp}/p.yaml:4:12: models.policy.path: node 'actor_update' was trained from another "
                               f"model in checkpoint {folder} (hidden_size 128 then, 64 now)"), message
     _state(folder, models=None)  # written before the record existed: nothing to compare
     assert Trainer(pipeline(tmp)).step == 2
+
+
+def test_a_checkpoint_of_other_adapters_or_of_the_whole_model_is_refused_at_lora(tmp):
+    lora = "models.policy.lora={rank: 8, target_modules: [q_proj, k_proj, v_proj]}"
+    folder = write_checkpoint(tmp, 2)  # the whole model trained
+    message = refused(tmp, lora)
+    assert message.startswith(f"<command line>: models.policy.lora: node 'actor_update' was trained from another model "
+                              f"in checkpoint {folder} (lora None then, {{'rank': 8, 'targets': ['k_proj', 'q_proj', "
+                              "'v_proj']} now)"), message
+    shutil.rmtree(tmp / "ckpt")
+    trainer = Trainer(pipeline(tmp, f"trainer.default_local_dir={tmp}/staging", lora))
+    trainer.rt, trainer.step, trainer.ckpt_dir = FakeRuntime(), 2, tmp / "ckpt"
+    folder = trainer.save()
+    assert sorted(p.name for p in folder.iterdir()) == ["actor_update", "actor_update.lora", "trainer_state.json"]
+    other = refused(tmp, lora.replace("rank: 8", "rank: 16"))
+    assert "(lora {'rank': 8, 'targets': ['k_proj', 'q_proj', 'v_proj']} then, {'rank': 16, " in other, other
+    assert Trainer(pipeline(tmp, lora)).step == 2  # the same adapters resume
 
 
 @pytest.mark.parametrize("override, key, what", [("data.seed=2", "data.seed", "seed 1 then, 2 now"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from siirl_dag.config import load_pipeline
 from siirl_dag.runtime import Runtime
@@ -28,7 +29,7 @@ nodes:
   - {{id: advantage, kind: advantage, deps: [reward]}}
   - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
   - {{id: ref_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy,
-     params: {{output: ref_logprobs, adapters: "off"}}}}
+     params: {{output: ref_logprobs, adapters: off}}}}
   - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob, ref_logprob], mesh: train, model: policy,
      options: {{lr: 1.0e-1, micro_batch_size: 2{sp}}}, params: {{mini_batch_size: 4, entropy_coeff: 0.5}}}}
   - {{id: colo_rollout, kind: rollout, mesh: colo, model: policy, weights_from: actor_update, options: {rollout}}}
@@ -77,3 +78,89 @@ def test_trained_adapters_reach_the_rollouts(tmp_path, tiny_model_dir, moe_model
         if payload == "adapters":  # only the adapters travelled: a small part of the model's bytes
             model_bytes = os.path.getsize(os.path.join(pipe.models["policy"].path, "model.safetensors"))
             assert 0 < metrics["sync/rollout/bytes"] < model_bytes / 3, (metrics["sync/rollout/bytes"], model_bytes)
+
+
+# --- a whole run: adapter checkpoints resume exactly; the PEFT folder loads in peft and in vLLM -------
+
+def _lora_run(out, model, data, *overrides):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = [f"models.policy.path={model}", f"data.train_files={data}/train.parquet", "data.val_files=null",
+            "data.train_batch_size=8", "nodes.actor_update.params.mini_batch_size=8", "trainer.total_steps=4",
+            "nodes.actor_update.params.entropy_coeff=0.5",  # a gradient though the random model earns no reward
+            "trainer.save_freq=2", "trainer.logger=[tensorboard]",
+            f"trainer.default_local_dir={out}/ckpt", f"trainer.tensorboard_dir={out}/tb", f"trainer.log_dir={out}/logs",
+            "runtime.backend=local", "nodes.rollout.options.kv_cache_gb=0.25", "nodes.rollout.options.max_model_len=64",
+            *overrides]
+    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "graphs/tiny_grpo_lora_cpu.yaml", "--json", *args],
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout)
+
+
+def _vllm_with_peft(rank, world, base, peft_folder, merged_folder):
+    """vLLM on the base with the PEFT folder as its adapter, and on the merged HF export: both greedy."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from siirl_dag.strategies.vllm import cpu_compat
+
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(4)]
+    out = []
+    for path, lora in ((base, LoRARequest("run", 1, peft_folder)), (merged_folder, None)):
+        with cpu_compat.building([0], []):
+            llm = LLM(model=path, dtype="float32", kv_cache_memory_bytes=2**27, max_model_len=64, enforce_eager=True,
+                      enable_lora=lora is not None, max_lora_rank=8, max_loras=1)
+        outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        out.append([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+        llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def test_adapter_checkpoints_resume_exactly_and_export_as_peft_folders(tmp_path, tiny_model_dir):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dist_utils import run_ranks
+    from make_demo_task import write_task
+
+    write_task(tmp_path / "data", seed=0)
+    straight = _lora_run(tmp_path / "a", tiny_model_dir, tmp_path / "data")
+    step2 = tmp_path / "a" / "ckpt" / "global_step_2"
+    assert sorted(p.name for p in step2.iterdir()) == ["actor_update", "actor_update.lora", "trainer_state.json"]
+    engine_bytes = sum(f.stat().st_size for f in (step2 / "actor_update").glob("*.distcp"))
+    assert engine_bytes < os.path.getsize(os.path.join(tiny_model_dir, "model.safetensors")), "adapters and their optimizer only"
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "ckpt" / "global_step_4")
+    resumed = _lora_run(tmp_path / "b", tiny_model_dir, tmp_path / "data")
+    assert set(resumed["steps"]) == {"3", "4"}
+    for step in ("3", "4"):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+            assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)
+
+    last = tmp_path / "a" / "ckpt" / "global_step_4"
+    peft_folder, merged = last / "actor_update.lora", last / "actor_update.hf"
+    adapters = load_file(peft_folder / "adapter_model.safetensors")
+    assert all(k.startswith("base_model.model.model.layers.") for k in adapters) and len(adapters) == 2 * 7 * 2
+    # peft applies the folder to the base as the run merged it
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                               str(peft_folder)).eval()
+        merged_model = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+        base_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        torch.testing.assert_close(peft_model(ids).logits, merged_model(ids).logits, atol=1e-5, rtol=0)
+        assert (merged_model(ids).logits - base_model(ids).logits).abs().max() > 1e-3
+    # and vLLM serves the folder as the run's merged weights
+    [(with_adapter, with_merged)] = run_ranks(_vllm_with_peft, 1, tiny_model_dir, str(peft_folder), str(merged), timeout=300)
+    torch.testing.assert_close(torch.tensor(with_adapter), torch.tensor(with_merged), atol=1e-4, rtol=0)

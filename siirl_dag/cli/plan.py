@@ -23,6 +23,15 @@ def _alloc(spec: str, as_json: bool) -> int:
     return 0
 
 
+def _shared(pipe, node) -> str:
+    """A node that computes with a trainer's engine with its adapters off holds no weights of its own."""
+    if node.params.get("adapters", True):
+        return ""
+    owner = next((n.id for n in pipe.nodes.values() if pipe.kinds[n.id].trains and n.id != node.id
+                  and (n.mesh, n.model, n.strategy) == (node.mesh, node.model, node.strategy)), None)
+    return f"; adapters off on {owner}'s engine: no weights of its own" if owner else "; adapters off"
+
+
 def main(args) -> int:
     if args.alloc:
         if args.pipeline:
@@ -41,9 +50,13 @@ def main(args) -> int:
     print(f"pipeline '{pipe.name}': {pipe.cluster.describe()}")
     for n in pipe.nodes.values():
         where = f"{n.strategy} on mesh '{n.mesh}' ({pipe.meshes[n.mesh].alloc})" if n.strategy else "cpu (driver side)"
-        print(f"  {n.id:<16} {n.kind:<14} {where}")
+        print(f"  {n.id:<16} {n.kind:<14} {where}{_shared(pipe, n)}")
+    for name, model in pipe.models.items():
+        if model.lora:
+            print(f"  model {name}: LoRA rank {model.lora.rank}, alpha {model.lora.alpha:g} on "
+                  f"{', '.join(sorted(model.lora.targets))}; the base frozen")
     for r in routes_json(pipe):
-        print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']})")
+        print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']}); {r['payload_reason']}")
     if pipe.plan:
         print()
         print(pipe.plan.table())

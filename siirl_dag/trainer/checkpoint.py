@@ -12,7 +12,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from siirl_dag.config.schema import is_count
 from siirl_dag.errors import ConfigError, PathPart, Problem
@@ -112,6 +112,9 @@ def engine_problems(path: str | Path, nodes: Sequence[str], key: Sequence[PathPa
     return problems
 
 
-def model_identity(hf_config: dict | None) -> dict:
-    """What a checkpoint records of a trained model, to refuse resuming into a different one."""
-    return {k: hf_config[k] for k in MODEL_FIELDS if k in hf_config} if hf_config else {}
+def model_identity(hf_config: dict | None, lora: Any = None) -> dict:
+    """What a checkpoint records of a trained model, to refuse resuming into a different one: its shape,
+    and the shape of its adapters (a checkpoint of adapters holds them alone; None: the whole model)."""
+    identity = {k: hf_config[k] for k in MODEL_FIELDS if k in hf_config} if hf_config else {}
+    identity["lora"] = None if lora is None else {"rank": lora.rank, "targets": sorted(lora.targets)}
+    return identity

@@ -72,7 +72,8 @@ class Trainer:
             raise pipe.error(("data", "train_batch_size"), exc.problems[0].message) from None
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
-        self.models = {n: checkpoint.model_identity(pipe.models[pipe.nodes[n].model].hf_config()) for n in self.trainers}
+        self.models = {n: checkpoint.model_identity(pipe.models[m].hf_config(), pipe.models[m].lora)
+                       for n in self.trainers for m in [pipe.nodes[n].model]}
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
         self.resume = Resume(pipe, self.ckpt_dir, self.trainers, self.models, self.loader)
         self.step = self.resume.step
@@ -197,6 +198,8 @@ class Trainer:
         def write_engines(folder: Path) -> None:
             for node in self.trainers:
                 self.rt.engine_call(node, "save_checkpoint", str((folder / node).resolve()))
+                if self.pipe.models[self.pipe.nodes[node].model].lora:  # the adapters, as vLLM and peft load them
+                    self.rt.engine_call(node, "save_adapters", str((folder / f"{node}.lora").resolve()))
 
         return checkpoint.save(self.ckpt_dir, self.step, self._state(), write_engines, self.pipe.trainer.max_ckpt_to_keep)
 

@@ -58,9 +58,12 @@ class Resume:
         problems = []
         for node in self.trainers:
             then, now = state.get("models", {}).get(node, {}), self.models[node]
-            changed = [f"{k} {then[k]!r} then, {now[k]!r} now" for k in then if k in now and then[k] != now[k]]
+            # a checkpoint from before adapters were recorded holds the whole model
+            changed = [f"{k} {then.get(k)!r} then, {now[k]!r} now" for k in now
+                       if (k in then or k == "lora") and then.get(k) != now[k]]
             if changed:
-                problems.append(Problem(("models", self.pipe.nodes[node].model, "path"),
+                key = "lora" if all(c.startswith("lora ") for c in changed) else "path"
+                problems.append(Problem(("models", self.pipe.nodes[node].model, key),
                                         f"node '{node}' was trained from another model in checkpoint {path} "
                                         f"({', '.join(changed)}); expected the model the checkpoint was written from, or a new "
                                         "trainer.experiment_name to start afresh"))

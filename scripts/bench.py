@@ -1,5 +1,5 @@
 """The demo pipeline, measured: per-node step breakdown, engine overhead, weight sync, tokens/s;
-with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync).
+with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync, LoRA).
 
     python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--all]
 
@@ -31,6 +31,7 @@ OTHERS = {  # script -> arguments; each prints JSON with --json
     "vllm_vs_hf": ["bench_vllm.py"],
     "megatron_vs_bare": ["bench_megatron.py"],
     "weight_sync": ["bench_weight_sync.py"],
+    "lora": ["bench_lora.py"],
 }
 
 

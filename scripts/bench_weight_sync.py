@@ -1,7 +1,7 @@
 """Weight sync trainer -> rollout on a model big enough to matter, against a memcpy of the same bytes.
 
     python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--experts 0] [--bucket-mb 32]
-        [--train d1] [--gen d1] [--path auto|shared_memory|process_group] [--repeats 8] [--no-verify]
+        [--train d1] [--gen d1] [--path auto|shared_memory|process_group] [--repeats 8] [--no-verify] [--lora 16]
 
 Builds a random Qwen2-style model (fp32; Qwen3-MoE with --experts), starts the real Runtime (Ray,
 Megatron trainer, vLLM rollout) twice, with the rollout colocated on the trainer's ranks and on a mesh
@@ -38,7 +38,7 @@ from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 PIPELINE = """\
 name: bench-weight-sync
 cluster: {{nodes: 1, devices_per_node: {devices}, device: cpu}}
-models: {{policy: {{path: {model}, dtype: float32}}}}
+models: {{policy: {{path: {model}, dtype: float32{lora}}}}}
 data: {{train_files: unused.parquet, train_batch_size: 4, max_prompt_length: 16, max_response_length: 8}}
 meshes:
   train: "megatron:{train}"
@@ -115,8 +115,10 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     rollout = parse_allocation(f"vllm:{args.gen}")[0].dims if layout == "separate" else None
     gen = '{alloc: "vllm:d%d", colocate_with: train}' % world if layout == "colocated" else f'"vllm:{args.gen}"'
     f = tmp / f"{layout}.yaml"
+    lora = f", lora: {{rank: {args.lora}, target_modules: [all-linear]}}" if getattr(args, "lora", 0) else ""
     f.write_text(PIPELINE.format(devices=world + (rollout.world_size if rollout else 0), model=model, train=args.train,
-                                 gen=gen, bucket_mb=args.bucket_mb, path=args.path, verify=str(not args.no_verify).lower()))
+                                 gen=gen, bucket_mb=args.bucket_mb, path=args.path, verify=str(not args.no_verify).lower(),
+                                 lora=lora))
     runs, copies = [], []
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         # syncs as after every update: the version moves on, the rollout falls behind
@@ -162,6 +164,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="colocated,separate")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--no-verify", action="store_true", help="runtime.verify_sync: false")
+    ap.add_argument("--lora", type=int, default=0, help="train rank-N adapters on every projection (0: the whole model)")
     args = ap.parse_args()
     from make_tiny_model import make_tiny_model
 

@@ -3,7 +3,8 @@
 A Megatron rank on the GPU gives the CPU rank's log-probs, loss, grad norm and update, and exports
 the HF weights exactly; offload moves its training state off the GPU and onload brings all of it
 back (the next step still matches the CPU's); a checkpoint it saves resumes on a CPU rank; and the
-weight sync's buckets broadcast over NCCL arrive bit-exact (two GPUs)."""
+weight sync's buckets broadcast over NCCL arrive bit-exact (two GPUs); expert adapters train on the GPU as on
+the CPU, and vLLM's CUDA MoE LoRA applies adapters given in memory as the merged model computes."""
 
 from __future__ import annotations
 
@@ -115,3 +116,67 @@ def test_weight_buckets_broadcast_over_nccl_arrive_exactly(tmp_path):
     assert sorted(received) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(received[name], tensor), name
+
+
+def _lora_step(rank, world, path, device):
+    from siirl_dag.strategies.megatron.engine import MegatronEngine
+    from test_megatron_lora import EXPERTS
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eng = MegatronEngine(RankContext(rank, ParallelDims(dp=world), device=device), {"path": path, "lora": EXPERTS}, OPTS)
+    batch = make_batch(8)
+    for _ in range(2):
+        eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2)
+    return {"after": eng.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
+            "adapters": {n: t.cpu() for n, t in eng.export_hf_weights(what="adapters")}}
+
+
+def test_expert_adapters_train_on_a_gpu_as_on_the_cpu(tmp_path, monkeypatch):
+    path = make_tiny_hf(str(tmp_path / "moe"), "qwen3_moe")
+    [gpu] = run_ranks(_lora_step, 1, path, "cuda", backend="nccl")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    [cpu] = run_ranks(_lora_step, 1, path, "cpu")
+    torch.testing.assert_close(gpu["after"], cpu["after"], atol=1e-4, rtol=0)
+    for name, t in cpu["adapters"].items():
+        torch.testing.assert_close(gpu["adapters"][name], t, atol=1e-4, rtol=0, msg=name)
+
+
+def _vllm_moe_adapters(rank, world, path, adapters):
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+    from test_megatron_lora import EXPERTS
+
+    engine = VllmRollout(RankContext(0, device="cuda"), {"path": path, "lora": EXPERTS},
+                         {"dtype": "float32", "max_model_len": 64, "enforce_eager": True, "gpu_memory_utilization": 0.3})
+    assert engine.adapters, "on a GPU an MoE model's adapters are served as adapters"
+    engine.load_adapters(iter(adapters.items()), version=1)
+    return engine.generate(["Q: 1+2=? A:", "Q: 20+3=? A:"], {"greedy": True}, 16, 8)
+
+
+def test_vllm_applies_expert_adapters_from_memory_as_the_merged_model_computes(tmp_path):
+    """vLLM's CUDA MoE LoRA, given adapters in memory (what an adapter-only sync delivers), computes as
+    the HF model with them merged (PEFT's W + scale * B A)."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from make_tiny_model import make_tiny_model
+    from test_megatron_lora import EXPERTS
+
+    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, tie_word_embeddings=False)
+    weights, g = load_file(f"{path}/model.safetensors"), torch.Generator().manual_seed(0)
+    adapters, merged = {}, dict(weights)
+    for name, w in weights.items():
+        proj = name.split(".")[-2]
+        if w.dim() == 2 and (proj in ("q_proj", "k_proj", "v_proj") or (".experts." in name and proj.endswith("proj"))):
+            a, b = 0.1 * torch.randn(8, w.shape[1], generator=g), 0.1 * torch.randn(w.shape[0], 8, generator=g)
+            adapters[name.replace(".weight", ".lora_A.weight")], adapters[name.replace(".weight", ".lora_B.weight")] = a, b
+            merged[name] = w + EXPERTS.scale * b @ a
+    [batch] = run_ranks(_vllm_moe_adapters, 1, path, adapters, backend="nccl")
+    save_file(merged, f"{path}/model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, 15:23]
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(batch["rollout_logprobs"][mask], ref[mask], atol=1e-3, rtol=0)

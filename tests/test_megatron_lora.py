@@ -1,6 +1,6 @@
 """LoRA on megatron-core (strategies/megatron/lora.py): only the adapters train and the base stays
-bit-identical; TP2 (with and without sequence parallel), PP2 and EP2 expert adapters train as one rank
-does; the model with its adapters off computes as the base; exports split fused adapters as PEFT
+bit-identical; TP2 (with and without sequence parallel), PP2 (and virtual), DP2 with the distributed
+optimizer and EP2 expert adapters train as one rank does; the model with its adapters off computes as the base; exports split fused adapters as PEFT
 would hold them, and the merged export is W + scale * B A."""
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ LAYOUTS = {
     "tp2": ("dense", {"tp": 2}, {}),
     "tp2-sp": ("dense", {"tp": 2}, {"sequence_parallel": True}),
     "pp2": ("dense", {"pp": 2}, {}),
+    "pp2-vpp2": ("dense", {"pp": 2, "vpp": 2}, {"virtual_pipeline_model_parallel_size": 2}),
     "dp2-distopt": ("dense", {"dp": 2}, {"use_distributed_optimizer": True}),
     "ep2-experts": ("moe", {"ep": 2}, {"moe_token_dispatcher_type": "alltoall"}),
 }

@@ -69,7 +69,8 @@ def layers_of(hf_config: dict[str, Any]) -> tuple[bool, bool]:
 
 def resolve(raw: dict[str, Any], hf_config: dict[str, Any] | None, path: tuple) -> tuple[LoraSpec | None, list[Problem]]:
     """The spec of a `lora:` block (schema-checked already), or the problems that refuse it."""
-    dense, experts = layers_of(hf_config or {})
+    # A model not on disk yet (validate before download): trust the names, experts where named.
+    dense, experts = layers_of(hf_config) if hf_config is not None else (True, "experts" in raw["target_modules"])
     have = set(ATTENTION) | ({f"experts.{p}" for p in MLP} if experts else set()) | (set(MLP) if dense else set())
     targets, problems = set(), []
     for name in raw["target_modules"]:

@@ -192,6 +192,7 @@ def test_options_agreeing_with_the_string_and_options_path():
     ("megatron:d2t2", {"num_moe_experts": 8}, None, "MoE model with tensor parallel t2 needs sequence_parallel"),
     ("megatron:d4e4", {}, {"num_experts": 6}, "6 experts do not split evenly over e4"),
     ("megatron:d4e4", {}, {"num_experts": 0}, "e4 (expert parallel) needs an MoE model"),
+    ("megatron:(attn:d2t1|ffn:d1t2)", {}, {"num_experts": 4}, "expert tensor parallel t2 differs from the attention's t1"),
 ])
 def test_megatron_rules(spec, options, model_info, fragment):
     p = one_problem(ClusterSpec(1, 8), [mesh("m", spec, options=options, model_info=model_info)])
@@ -199,10 +200,11 @@ def test_megatron_rules(spec, options, model_info, fragment):
 
 
 def test_valid_megatron_setups_pass():
-    place(ClusterSpec(1, 8), [
+    place(ClusterSpec(1, 10), [
         mesh("a", "megatron:d1p2t2e2", options={"virtual_pipeline_model_parallel_size": 2, **SP},
              model_info={"num_layers": 8, "num_experts": 4}),
         mesh("b", "megatron:d4", options={"virtual_pipeline_model_parallel_size": 1}, model_info={"num_layers": 3}),
+        mesh("c", "megatron:(attn:d1t2|ffn:d1t1e2)", options=SP, model_info={"num_experts": 4}),
     ])
 
 

@@ -61,6 +61,7 @@ CASES = {
     "dp2-distopt-overlap": ("dense", {"dp": 2}, {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
                                                  "overlap_param_gather": True}),
     "ep2-moe-alltoall": ("moe", {"ep": 2}, {"moe_token_dispatcher_type": "alltoall"}),
+    "tp2-etp2-moe": ("moe", {"tp": 2}, {"sequence_parallel": True, "moe_token_dispatcher_type": "alltoall"}),
 }
 
 

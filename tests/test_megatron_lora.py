@@ -1,6 +1,6 @@
 """LoRA on megatron-core (strategies/megatron/lora.py): only the adapters train and the base stays
 bit-identical; TP2 (with and without sequence parallel), PP2 (and virtual), DP2 with the distributed
-optimizer and EP2 expert adapters train as one rank does; the model with its adapters off computes as the base; exports split fused adapters as PEFT
+optimizer, EP2 and expert-TP2 expert adapters train as one rank does; the model with its adapters off computes as the base; exports split fused adapters as PEFT
 would hold them, and the merged export is W + scale * B A."""
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ LAYOUTS = {
     "pp2-vpp2": ("dense", {"pp": 2, "vpp": 2}, {"virtual_pipeline_model_parallel_size": 2}),
     "dp2-distopt": ("dense", {"dp": 2}, {"use_distributed_optimizer": True}),
     "ep2-experts": ("moe", {"ep": 2}, {"moe_token_dispatcher_type": "alltoall"}),
+    # expert tensor parallel 2 (the attention's TP), and attention TP2 over experts split EP2 at expert TP 1
+    "tp2-etp2-experts": ("moe", {"tp": 2}, {"sequence_parallel": True, "moe_token_dispatcher_type": "alltoall"}),
+    "tp2-ep2-etp1-experts": ("moe", {"tp": 2, "ep": 2, "etp": 1},
+                             {"sequence_parallel": True, "moe_token_dispatcher_type": "alltoall"}),
 }
 
 

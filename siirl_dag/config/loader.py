@@ -247,11 +247,12 @@ def _read_models(raw: dict, problems: list[Problem]) -> dict[str, ModelSpec]:
 
 def _lora_problems(pipe: Pipeline) -> list[Problem]:
     """What the adapters of a model need of every node that runs it (after placement: the meshes' sizes)."""
-    problems = []
+    problems, engines = [], set()
     for node in pipe.nodes.values():
         spec = pipe.models[node.model].lora if node.model else None
-        if spec is None:
-            continue
+        if spec is None or (node.mesh, node.model, node.strategy) in engines:
+            continue  # nodes on one mesh and model share an engine and its options: checked once
+        engines.add((node.mesh, node.model, node.strategy))
         where, options = pipe.node_path(node.id), node.options
         if node.strategy not in LORA_STRATEGIES:
             problems.append(Problem(where + ("strategy",), f"model '{node.model}' has LoRA adapters, which strategy "
@@ -263,9 +264,6 @@ def _lora_problems(pipe: Pipeline) -> list[Problem]:
         if node.strategy != "megatron":
             continue
         dims = pipe.plan.meshes[node.mesh].dims
-        if spec.on_experts and dims.etp > 1:
-            problems.append(Problem(("meshes", node.mesh), f"adapters on routed experts need expert tensor parallel 1, "
-                                    f"the mesh has {dims.etp}; expected ffn t1 (megatron:(attn:...|ffn:...t1...))"))
         if dims.cp > 1:
             problems.append(Problem(("meshes", node.mesh), f"LoRA with context parallel (c{dims.cp}) is not supported: it "
                                     "needs Transformer Engine's layers, and adapters take megatron's own; expected c1"))

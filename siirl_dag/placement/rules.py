@@ -78,6 +78,10 @@ def _megatron_rules(c: ParallelDims, options, model_info, device, path, options_
         bad(options_path + ("sequence_parallel",),
             f"an MoE model with tensor parallel t{c.tp} needs sequence_parallel: true (megatron-core refuses "
             "MoE training with TP and without sequence parallel)")
+    if (experts or 0) > 1 and c.ep == 1 and c.etp != c.tp:
+        bad(path, f"expert tensor parallel t{c.etp} differs from the attention's t{c.tp} without expert parallel: "
+                  "megatron-core 0.16 trains such a mesh wrongly (its expert gradients differ from one rank's); "
+                  "expected ffn t equal to attn t, or e>1")
     if c.ep > 1 and experts is not None:
         if experts <= 1:
             bad(path, f"e{c.ep} (expert parallel) needs an MoE model, this one has num_experts={experts}")

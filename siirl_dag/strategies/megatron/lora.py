@@ -14,6 +14,9 @@ Tensor parallel, the low-rank path mirrors its layer (exact gradients on every r
 - row (linear_proj, linear_fc2: input dim sharded): A sharded like the weight's columns, B
   replicated; the partial rank-r activation is all-reduced, or under sequence parallel the delta is
   reduce-scattered like the layer's output (B's gradient summed over TP).
+Routed experts under expert tensor parallel: the token dispatcher gives every expert TP rank the same
+tokens and sums their outputs, so the forward needs no communication; the replicated factor (A of
+fc1, B of fc2) sees a partial gradient on each rank, summed over the expert TP group in backward.
 Fused layers get one adapter (q/k/v share A, so do gate/up); B's rows follow the fused layout, so
 the HF export splits B as it splits the weight and repeats A (PEFT's format holds that exactly), and
 a merge `W + scale * B A` is local to each shard. A is drawn from a generator seeded per global
@@ -79,8 +82,6 @@ def _attach(module: torch.nn.Module, spec: LoraSpec, side: str, key: str) -> Non
     comm = tp > 1 and not module.explicit_expert_comm  # routed experts: the token dispatcher does it
     in_full = in_local * tp if side == "row" else in_local
     full_a = torch.empty(spec.rank, in_full, dtype=torch.float32)
-    if module.explicit_expert_comm and tp > 1:  # refused at the door (config.lora)
-        raise NotImplementedError("LoRA on routed experts with expert tensor parallel > 1")
     gen = torch.Generator().manual_seed(int(hashlib.sha256(key.encode()).hexdigest()[:15], 16))
     if spec.init == "gaussian":
         full_a.normal_(0.0, 1.0 / spec.rank, generator=gen)
@@ -92,12 +93,16 @@ def _attach(module: torch.nn.Module, spec: LoraSpec, side: str, key: str) -> Non
     module.lora_B = torch.nn.Parameter(torch.zeros(out_local, spec.rank, device=weight.device, dtype=weight.dtype))
     sharded = module.lora_A if side == "row" else module.lora_B
     replicated = module.lora_B if side == "row" else module.lora_A
-    set_tensor_model_parallel_attributes(sharded, tp > 1, 1 if side == "row" else 0, 1)
-    set_tensor_model_parallel_attributes(replicated, False, 0, 1)
+    # the grad norm counts a parameter marked parallel on every rank, others on the attention's TP rank 0
+    # only: experts at expert TP 1 are each rank's own, whatever the attention's TP
+    own = module.is_expert and tp == 1
+    set_tensor_model_parallel_attributes(sharded, tp > 1 or own, 1 if side == "row" else 0, 1)
+    set_tensor_model_parallel_attributes(replicated, own, 0, 1)
     replicated.sequence_parallel = comm and module.sequence_parallel  # its gradient is summed over TP
     for p in (module.lora_A, module.lora_B):
         p.allreduce = getattr(weight, "allreduce", True)  # experts: reduced over the expert data-parallel group
-    module.lora = types.SimpleNamespace(side=side, scale=spec.scale, dropout=spec.dropout, comm=comm, enabled=True)
+    module.lora = types.SimpleNamespace(side=side, scale=spec.scale, dropout=spec.dropout, comm=comm, enabled=True,
+                                        expert_tp=module.explicit_expert_comm and tp > 1)
     module.register_forward_hook(_add_delta)
     module.sharded_state_dict = types.MethodType(_sharded_state_dict, module)
 
@@ -108,20 +113,23 @@ def _add_delta(module: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
     lora = module.lora
     if not lora.enabled:
         return output
-    x, group = inputs[0], module.tp_group
+    x, group, a, b = inputs[0], module.tp_group, module.lora_A, module.lora_B
     x = F.dropout(x, lora.dropout, module.training) if lora.dropout else x
-    h = F.linear(x, module.lora_A)
+    if lora.expert_tp:  # the replicated factor sees a partial gradient on each expert TP rank: sum it
+        a, b = (tpl.copy_to_tensor_model_parallel_region(a, group=group), b) if lora.side == "column" \
+            else (a, tpl.copy_to_tensor_model_parallel_region(b, group=group))
+    h = F.linear(x, a)
     if lora.side == "column":
         if lora.comm:
             h = tpl.gather_from_sequence_parallel_region(h, True, group=group) if module.sequence_parallel \
                 else tpl.copy_to_tensor_model_parallel_region(h, group=group)
-        delta = F.linear(h, module.lora_B)
+        delta = F.linear(h, b)
     elif not lora.comm:
-        delta = F.linear(h, module.lora_B)
+        delta = F.linear(h, b)
     elif module.sequence_parallel:
-        delta = tpl.reduce_scatter_to_sequence_parallel_region(F.linear(h, module.lora_B), group=group)
+        delta = tpl.reduce_scatter_to_sequence_parallel_region(F.linear(h, b), group=group)
     else:
-        delta = F.linear(tpl.reduce_from_tensor_model_parallel_region(h, group=group), module.lora_B)
+        delta = F.linear(tpl.reduce_from_tensor_model_parallel_region(h, group=group), b)
     out, bias = output
     return out + lora.scale * delta, bias
 

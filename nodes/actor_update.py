@@ -7,7 +7,8 @@ _BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_m
 
 
 def _consumes(params):
-    return _BASE + (("ref_logprobs",) if params["use_kl_loss"] else ())
+    return _BASE + (("ref_logprobs",) if params["use_kl_loss"] else ()) + \
+        (("rollout_logprobs",) if params["rollout_is"] != "off" else ())
 
 
 def check_mini_batch(node, pipeline):
@@ -30,17 +31,21 @@ def check_mini_batch(node, pipeline):
 @node_kind("actor_update", consumes=_consumes, produces=(), strategies=("megatron",), params_schema="actor_update",
            trains=True, check=check_mini_batch)
 def actor_update(batch, ctx):
-    """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus)."""
-    from nodes.algos.losses import ppo_actor_loss
+    """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus), per token
+    or per sequence (GSPO), optionally weighted by the rollout's importance weights."""
+    from nodes.algos.losses import ppo_actor_loss, rollout_is_weights
 
     p = ctx.params
 
-    def loss_fn(logprobs, entropy, mb):
+    def loss_fn(logprobs, entropy, mb, totals):
+        weights = None if p["rollout_is"] == "off" else rollout_is_weights(
+            mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], p["rollout_is"], p["rollout_is_threshold"])
         return ppo_actor_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], entropy=entropy,
                               ref_logprobs=mb.get("ref_logprobs"), clip_ratio_low=p["clip_ratio_low"],
                               clip_ratio_high=p["clip_ratio_high"], clip_ratio_c=p["clip_ratio_c"],
                               loss_agg_mode=p["loss_agg_mode"], entropy_coeff=p["entropy_coeff"],
-                              use_kl_loss=p["use_kl_loss"], kl_loss_coef=p["kl_loss_coef"], kl_loss_type=p["kl_loss_type"])
+                              use_kl_loss=p["use_kl_loss"], kl_loss_coef=p["kl_loss_coef"], kl_loss_type=p["kl_loss_type"],
+                              policy_loss_mode=p["policy_loss"], rollout_is_weights=weights, totals=totals)
 
     metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * ctx.samples_per_prompt,
                                micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"])

@@ -40,9 +40,9 @@ def critic_update(batch, ctx):
 
     p = ctx.params
 
-    def loss_fn(values, mb):
+    def loss_fn(values, mb, totals):
         return ppo_critic_loss(values, mb["values"], mb["returns"], mb["response_mask"],
-                               cliprange_value=p["cliprange_value"], loss_agg_mode=p["loss_agg_mode"])
+                               cliprange_value=p["cliprange_value"], loss_agg_mode=p["loss_agg_mode"], totals=totals)
 
     metrics = ctx.engine.train_values(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * ctx.samples_per_prompt,
                                       epochs=p["epochs"])

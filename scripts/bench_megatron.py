@@ -53,9 +53,9 @@ def make_batch(n: int, prompt: int, response: int, vocab: int) -> dict:
             "response_mask": torch.ones_like(responses), "advantages": torch.randn(n, response, generator=g)}
 
 
-def pg_loss(logprobs, entropy, mb):
+def pg_loss(logprobs, entropy, mb, totals):
     mask = mb["response_mask"].float()
-    return -(logprobs * mb["advantages"] * mask).sum() / mask.sum(), {}
+    return -(logprobs * mb["advantages"] * mask).sum() / totals.tokens, {}
 
 
 class BareLoop:

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from nodes.algos.losses import agg_loss, kl_penalty, policy_loss, ppo_actor_loss, ppo_critic_loss, value_loss
+from nodes.algos.losses import (agg_loss, kl_penalty, policy_loss, ppo_actor_loss, ppo_critic_loss, rollout_is_weights,
+                               value_loss)
 
 # Per-token loss with padding set to 100 so any leak of padding shows up.
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0, 100.0, 100.0, 100.0]])
@@ -71,9 +72,9 @@ PMASK = torch.tensor([[1, 1, 0], [1, 1, 0]])
 
 
 def test_policy_loss_clip_and_dual_clip():
-    pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(NEW, OLD, ADV, PMASK, clip_ratio_low=0.2, clip_ratio_high=0.2,
-                                                            clip_ratio_c=3.0)
-    assert pg_loss.item() == pytest.approx(0.525)  # (-1.2 - 0.5 + 0.8 + 3.0) / 4
+    tokens, clipfrac, ppo_kl, clipfrac_lower = policy_loss(NEW, OLD, ADV, PMASK, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                                           clip_ratio_c=3.0)
+    assert agg_loss(tokens, PMASK, "token-mean").item() == pytest.approx(0.525)  # (-1.2 - 0.5 + 0.8 + 3.0) / 4
     assert clipfrac.item() == pytest.approx(0.5)
     assert clipfrac_lower.item() == pytest.approx(0.25)
     assert ppo_kl.item() == pytest.approx(-0.157152165, abs=1e-6)  # -ln(1.5*0.5*0.5*5)/4
@@ -81,19 +82,21 @@ def test_policy_loss_clip_and_dual_clip():
 
 def test_policy_loss_asymmetric_clip_and_no_dual_clip():
     high, *_ = policy_loss(NEW, OLD, ADV, PMASK, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-    assert high.item() == pytest.approx(0.505)  # t1 clipped at 1.28: (-1.28 - 0.5 + 0.8 + 3) / 4
+    assert agg_loss(high, PMASK, "token-mean").item() == pytest.approx(0.505)  # t1 at 1.28: (-1.28 - .5 + .8 + 3) / 4
     plain, _, _, lower = policy_loss(NEW, OLD, ADV, PMASK, clip_ratio_c=None)
-    assert plain.item() == pytest.approx(1.025)  # (-1.2 - 0.5 + 0.8 + 5) / 4
+    assert agg_loss(plain, PMASK, "token-mean").item() == pytest.approx(1.025)  # (-1.2 - 0.5 + 0.8 + 5) / 4
     assert lower.item() == 0.0
     with pytest.raises(ValueError, match="clip_ratio_c"):
         policy_loss(NEW, OLD, ADV, PMASK, clip_ratio_c=1.0)
 
 
-def test_policy_loss_seq_mean_token_mean():
-    loss, *_ = policy_loss(NEW, OLD, ADV, PMASK, loss_agg_mode="seq-mean-token-mean")
+def test_actor_loss_seq_mean_modes():
+    loss, _ = ppo_actor_loss(NEW, OLD, ADV, PMASK, loss_agg_mode="seq-mean-token-mean")
     assert loss.item() == pytest.approx(0.525)  # rows: (-1.7/2 + 3.8/2) / 2
-    loss, *_ = policy_loss(NEW, OLD, ADV, PMASK, loss_agg_mode="seq-mean-token-sum")
+    loss, _ = ppo_actor_loss(NEW, OLD, ADV, PMASK, loss_agg_mode="seq-mean-token-sum")
     assert loss.item() == pytest.approx(1.05)  # (-1.7 + 3.8) / 2
+    loss, _ = ppo_actor_loss(NEW, OLD, ADV, PMASK, loss_agg_mode="token-sum")
+    assert loss.item() == pytest.approx(2.1)  # -1.2 - 0.5 + 0.8 + 3.0
 
 
 def test_value_loss_clipping():
@@ -105,8 +108,8 @@ def test_value_loss_clipping():
     old = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     ret = torch.tensor([[0.0, 3.0, 1.0, -9.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    vf_loss, clipfrac = value_loss(v, old, ret, mask, cliprange_value=0.5)
-    assert vf_loss.item() == pytest.approx(0.5 * 6.89 / 3)
+    vf_tokens, clipfrac = value_loss(v, old, ret, mask, cliprange_value=0.5)
+    assert agg_loss(vf_tokens, mask, "token-mean").item() == pytest.approx(0.5 * 6.89 / 3)
     assert clipfrac.item() == pytest.approx(1 / 3)
     loss, metrics = ppo_critic_loss(v, old, ret, mask, cliprange_value=0.5)
     assert metrics["critic/vf_loss"] == pytest.approx(loss.item())
@@ -138,3 +141,69 @@ def test_actor_loss_refuses_missing_inputs():
         ppo_actor_loss(NEW, OLD, ADV, PMASK, entropy_coeff=0.01)
     _, m = ppo_actor_loss(NEW, OLD, ADV, PMASK)
     assert "actor/kl_loss" not in m and "actor/entropy" not in m
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "kl+", "k3+", "low_var_kl+", "abs+", "mse+"])
+def test_straight_through_kl_has_the_value_of_its_base_and_the_gradient_of_k2(estimator):
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.0]])
+    value = kl_penalty(logp, ref, estimator)
+    torch.testing.assert_close(value, kl_penalty(logp, ref, estimator[:-1]))
+    value.sum().backward()
+    assert logp.grad.tolist() == [[1.0, -1.0]]  # d/dlogp 0.5 (logp - ref)^2 = logp - ref
+
+
+def test_gspo_clips_whole_sequences_at_their_geometric_mean_ratio():
+    # row 0: ratios 1.5, 0.5 -> s = sqrt(0.75) = 0.8660; row 1: 0.5, 5.0 -> s = sqrt(2.5) = 1.5811
+    s0, s1 = math.sqrt(0.75), math.sqrt(2.5)
+    logprobs = NEW.clone().requires_grad_(True)
+    tokens, clipfrac, _, lower = policy_loss(logprobs, OLD, ADV, PMASK, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                             mode="gspo")
+    # A = +1: -s0 (inside the clip range); A = -1: max(s1, 1.2) = s1 (no dual-clip in GSPO)
+    torch.testing.assert_close(tokens[:, :2], torch.tensor([[-s0, -s0], [s1, s1]]))
+    assert clipfrac.item() == 0.0 and lower.item() == 0.0
+    loss = agg_loss(tokens, PMASK, "seq-mean-token-mean")
+    assert loss.item() == pytest.approx((s1 - s0) / 2)
+    loss.backward()  # d/dlogp_t = -A s_i / (G |y_i|), G = 2 sequences of 2 tokens
+    torch.testing.assert_close(logprobs.grad[:, :2], torch.tensor([[-s0 / 4, -s0 / 4], [s1 / 4, s1 / 4]]))
+    # with A = +1 on row 1 its ratio 1.58 is clipped at 1.2: the whole sequence gets no gradient
+    logprobs.grad = None
+    tokens, clipfrac, *_ = policy_loss(logprobs, OLD, ADV.abs(), PMASK, mode="gspo")
+    agg_loss(tokens, PMASK, "seq-mean-token-mean").backward()
+    assert logprobs.grad[1].abs().sum().item() == 0.0 and logprobs.grad[0, 0].item() != 0.0
+    assert clipfrac.item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="vanilla, gspo"):
+        policy_loss(NEW, OLD, ADV, PMASK, mode="gpso")
+
+
+def test_rollout_importance_weights_are_truncated_per_token_or_per_sequence():
+    old = torch.zeros(1, 3)
+    rollout = torch.tensor([[math.log(0.5), math.log(2.0), 7.0]])  # pi_old / pi_rollout = 2, 0.5; padding
+    mask = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(rollout_is_weights(old, rollout, mask, "token", 1.5), torch.tensor([[1.5, 0.5, 0.0]]))
+    torch.testing.assert_close(rollout_is_weights(old, rollout, mask, "sequence", 1.5), torch.tensor([[1.0, 1.0, 0.0]]))
+    weights = torch.tensor([[2.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    tokens, *_ = policy_loss(NEW, OLD, ADV, PMASK, rollout_is_weights=weights)
+    assert agg_loss(tokens, PMASK, "token-mean").item() == pytest.approx((-2.4 - 0.5 + 0.8 + 3.0) / 4)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_shares_over_the_mini_batch_totals_add_up_to_the_whole(mode):
+    from siirl_dag.strategies.base import MiniBatchTotals
+
+    totals = MiniBatchTotals(tokens=float(MASK.sum()), sequences=float((MASK.sum(-1) > 0).sum()))
+    shares = [agg_loss(LOSS[i:i + 1], MASK[i:i + 1], mode, totals=totals) for i in range(3)]
+    assert sum(s.item() for s in shares) == pytest.approx(agg_loss(LOSS, MASK, mode).item())
+
+
+def test_loss_modes_and_estimators_are_the_schema_enums():
+    import json
+    from pathlib import Path
+
+    from nodes.algos.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES
+
+    schema = json.loads(Path("siirl_dag/schemas/nodes/actor_update.schema.json").read_text())["properties"]
+    assert schema["loss_agg_mode"]["enum"] == list(LOSS_AGG_MODES)
+    assert schema["kl_loss_type"]["enum"] == list(KL_ESTIMATORS)
+    assert schema["policy_loss"]["enum"] == list(POLICY_LOSS_MODES)

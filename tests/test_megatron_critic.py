@@ -46,10 +46,11 @@ def critic_batch() -> dict:
     return batch
 
 
-def critic_loss(values, mb):
+def critic_loss(values, mb, totals):
     from nodes.algos.losses import ppo_critic_loss
 
-    return ppo_critic_loss(values, mb["values"], mb["returns"], mb["response_mask"], cliprange_value=100.0)
+    return ppo_critic_loss(values, mb["values"], mb["returns"], mb["response_mask"], cliprange_value=100.0,
+                           totals=totals)
 
 
 def _engine(rank, world, path, sizes, opts=OPTS):

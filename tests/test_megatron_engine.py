@@ -8,19 +8,19 @@ import torch
 
 from dist_utils import dims, hf_state, make_batch, make_tiny_hf, run_ranks
 from siirl_dag.errors import ConfigError
-from siirl_dag.strategies.base import RankContext
+from siirl_dag.strategies.base import MiniBatchTotals, RankContext
 
 # eps well above the grads' rounding noise keeps Adam's update a smooth function of the grads,
 # so layouts that sum in another order agree after a step too.
 OPTS = {"lr": 1e-3, "eps": 1e-3, "weight_decay": 0.1, "betas": [0.8, 0.95], "clip_grad": 1.0}
 
 
-def pg_loss(logprobs, entropy, mb):
-    """A policy-gradient-shaped test loss: token mean of -A * log p, minus an entropy bonus."""
+def pg_loss(logprobs, entropy, mb, totals):
+    """A policy-gradient-shaped test loss: token mean of -A * log p over the mini batch, minus an entropy bonus."""
     mask = mb["response_mask"].float()
-    n = mask.sum()
+    n = totals.tokens
     loss = -(logprobs * mb["advantages"] * mask).sum() / n - 0.01 * (entropy * mask).sum() / n
-    return loss, {"entropy": float((entropy.detach() * mask).sum() / n)}
+    return loss, {"entropy": float((entropy.detach() * mask).sum() / mask.sum())}
 
 
 def _shard(batch: dict, rank: int, size: int) -> dict:
@@ -107,7 +107,9 @@ def _one_rank_suite(rank, world, path):
     seq = batching.seq_length(batch)
     for name, opts, micro in (("dynamic", {"dynamic_micro_batch_tokens": 2 * seq + 1}, 8), ("fixed2", {}, 2),
                               ("fixed4", {}, 4)):
-        out[name] = engine({**OPTS, **opts}).train(batch, pg_loss, mini_batch_size=8, micro_batch_size=micro)["loss"]
+        eng = engine({**OPTS, **opts})
+        out[name] = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=micro)["loss"]
+        out[name + "_micro"] = eng._micro_size(micro, seq, 8)
     return out
 
 
@@ -131,6 +133,8 @@ def _hf_adamw(path: str, opts: dict) -> dict[str, torch.Tensor]:
     p_len, r_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     for start in (0, 4):
         opt.zero_grad()
+        mask = batch["response_mask"][start:start + 4]
+        totals = MiniBatchTotals(float(mask.sum()), float((mask.sum(-1) > 0).sum()))
         for mb_start in (start, start + 2):
             mb = {k: v[mb_start:mb_start + 2] for k, v in batch.items()}
             logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
@@ -138,7 +142,7 @@ def _hf_adamw(path: str, opts: dict) -> dict[str, torch.Tensor]:
             logp = logits.log_softmax(-1)
             lp = logp.gather(-1, mb["responses"][..., None])[..., 0]
             entropy = -(logp.exp() * logp).sum(-1)
-            (pg_loss(lp, entropy, mb)[0] / 2).backward()
+            pg_loss(lp, entropy, mb, totals)[0].backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -162,8 +166,10 @@ def test_lr_warmup_then_decay(one_rank):
 
 def test_dynamic_micro_batches_follow_the_token_budget(one_rank):
     out = one_rank[1]
+    assert (out["dynamic_micro"], out["fixed2_micro"], out["fixed4_micro"]) == (2, 2, 4)
+    # the loss is the mini batch's, however it is split
     assert out["dynamic"] == pytest.approx(out["fixed2"], abs=1e-6)
-    assert out["fixed2"] != pytest.approx(out["fixed4"], abs=1e-4)  # (micro size shows in the loss)
+    assert out["fixed2"] == pytest.approx(out["fixed4"], abs=1e-6)
 
 
 @pytest.mark.parametrize("sizes, opts, words", [

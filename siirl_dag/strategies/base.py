@@ -38,6 +38,16 @@ class RankContext:
         return self.local_device_index % torch.cuda.device_count()
 
 
+@dataclass(frozen=True)
+class MiniBatchTotals:
+    """What one optimizer step's mini batch holds over all its micro batches and data-parallel ranks.
+    A training loss divides by these, not by its micro batch's own counts, so its value and gradient
+    do not depend on how the batch is split (the engine undoes megatron's per-micro-batch mean)."""
+
+    tokens: float  # response tokens
+    sequences: float  # rows with at least one response token
+
+
 class Strategy:
     """Base class. Subclasses: the vLLM rollout engine, the Megatron engine."""
 

@@ -19,14 +19,16 @@ import torch
 import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
-from siirl_dag.strategies.base import RankContext, Strategy
+from siirl_dag.strategies.base import MiniBatchTotals, RankContext, Strategy
 from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, lora, offload, options, optim
 from siirl_dag.strategies.megatron import model as model_lib
 from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
-LossFn = Callable[[torch.Tensor, "torch.Tensor | None", dict], "tuple[torch.Tensor, dict]"]
-ValueLossFn = Callable[[torch.Tensor, dict], "tuple[torch.Tensor, dict]"]
+# loss_fn(logprobs [b,R], entropy [b,R] | None, micro batch, totals) -> (this micro batch's share of the
+# mini batch's loss, metrics); a value loss takes (values [b,R], micro batch, totals)
+LossFn = Callable[[torch.Tensor, "torch.Tensor | None", dict, MiniBatchTotals], "tuple[torch.Tensor, dict]"]
+ValueLossFn = Callable[[torch.Tensor, dict, MiniBatchTotals], "tuple[torch.Tensor, dict]"]
 
 
 class MegatronEngine(Strategy):
@@ -119,6 +121,14 @@ class MegatronEngine(Strategy):
         if self.dp_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ps().get_data_parallel_group(with_context_parallel=True))
         return t.tolist()
+
+    def _totals(self, response_mask: torch.Tensor) -> MiniBatchTotals:
+        """The response tokens and non-empty rows of a mini batch, summed over the DP ranks."""
+        t = torch.tensor([float(response_mask.sum()), float((response_mask.sum(-1) > 0).sum())],
+                         dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self._ps().get_data_parallel_group())
+        return MiniBatchTotals(*t.tolist())
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         ps = self._ps()
@@ -259,13 +269,14 @@ class MegatronEngine(Strategy):
         """PPO-style update: `epochs` passes over mini batches, one optimizer step per mini batch.
 
         mini_batch_size counts samples over all DP ranks (so results do not depend on the DP size);
-        micro_batch_size is per rank. loss_fn(logprobs [b,R], entropy [b,R] | None, micro_batch)
-        -> (scalar loss, metrics); each micro batch's loss weighs 1/num_micro_batches.
+        micro_batch_size is per rank. loss_fn(logprobs [b,R], entropy [b,R] | None, micro_batch, totals)
+        -> (the micro batch's share of the mini batch's loss: its sums over the `totals` of the whole mini
+        batch, metrics); the shares add up to the loss of the mini batch as one.
         """
         self._need(False, "train")
 
-        def loss(mb, logits):
-            return loss_fn(*self._response_logprobs(mb, logits, 1.0, entropy), mb)
+        def loss(mb, logits, totals):
+            return loss_fn(*self._response_logprobs(mb, logits, 1.0, entropy), mb, totals)
 
         return self._update(batch, loss, mini_batch_size, micro_batch_size, epochs)
 
@@ -275,22 +286,24 @@ class MegatronEngine(Strategy):
         micro_batch_size defaults to the `micro_batch_size` option."""
         self._need(True, "train_values")
 
-        def loss(mb, values):
-            return loss_fn(self._response_values(mb, values), mb)
+        def loss(mb, values, totals):
+            return loss_fn(self._response_values(mb, values), mb, totals)
 
         return self._update(batch, loss, mini_batch_size, micro_batch_size or self.opts["micro_batch_size"], epochs)
 
     def _update(self, batch: Mapping[str, Any], loss_fn: Callable, mini_batch_size: int, micro_batch_size: int,
                 epochs: int) -> dict[str, float]:
-        """The mini-batch loop of `train` / `train_values`; loss_fn(micro_batch, model output)."""
+        """The mini-batch loop of `train` / `train_values`; loss_fn(micro_batch, model output, totals)."""
         state = self._trainable()
         n_rows = batch["responses"].shape[0]
         aligned, seq = self._prepare(batch)
         local_mini, micro_batch_size = self._train_layout(n_rows, mini_batch_size, micro_batch_size, seq)
 
-        def loss(mb, output):
-            value, metrics = loss_fn(mb, output)
-            # megatron scales the returned loss in place: report a copy
+        def loss(totals, shares, mb, output):
+            value, metrics = loss_fn(mb, output, totals)
+            # megatron divides by the micro batches, its DDP by the DP ranks: undo both, since the shares
+            # already add up to the mini batch's loss (and report a copy: megatron scales it in place)
+            value = value * shares
             return value, {"loss": value.detach().clone(), **metrics}
 
         for m in state.model:
@@ -302,10 +315,11 @@ class MegatronEngine(Strategy):
                 sl = slice(start, start + local_mini)
                 sub = {k: batching.rows(v, sl) for k, v in batch.items()}
                 micro = batching.micro_batches(sub, {k: v[sl] for k, v in aligned.items()}, micro_batch_size)
+                step_loss = functools.partial(loss, self._totals(sub["response_mask"]), len(micro) * self.dp_size)
                 for m in state.model:
                     m.zero_grad_buffer()
                 state.optimizer.zero_grad()
-                for r in self._run(micro, loss, seq, micro_batch_size, forward_only=False):
+                for r in self._run(micro, step_loss, seq, micro_batch_size, forward_only=False):
                     for k, v in r.items():
                         sums[k] = sums.get(k, 0.0) + float(v) / len(micro)
                 # Advance the schedule first: step k uses lr(k), so warm-up starts above 0.

@@ -25,6 +25,19 @@ def _custom_scorer(node, pipeline) -> list[Problem]:
     return []
 
 
+def _checks(node, pipeline) -> list[Problem]:
+    return _custom_scorer(node, pipeline) + _buffer_fits(node, pipeline)
+
+
+def _buffer_fits(node, pipeline) -> list[Problem]:
+    """The overlong buffer lies inside the responses' length limit."""
+    buffer, limit = node.params["overlong_buffer_len"], pipeline.data.max_response_length
+    if buffer < limit:
+        return []
+    return [Problem(pipeline.node_path(node.id) + ("params", "overlong_buffer_len"), f"{buffer} tokens do not fit "
+                    f"inside data.max_response_length = {limit}; expected 0 (off) to {limit - 1}")]
+
+
 def _gradable(node, pipeline, data) -> list[str]:
     """With the built-in scorers, every data_source of the prompts needs one."""
     if node.params["scorer"] != "auto":
@@ -36,13 +49,14 @@ def _gradable(node, pipeline, data) -> list[str]:
 
 
 @node_kind("reward", consumes=_consumes, produces=("token_level_scores", "token_level_rewards"),
-           params_schema="reward", check=_custom_scorer, check_data=_gradable)
+           params_schema="reward", check=_checks, check_data=_gradable)
 def reward(batch, ctx):
-    """Score decoded responses; an optional KL-in-reward penalty turns scores into rewards."""
+    """Score decoded responses; DAPO's overlong penalty and a KL-in-reward penalty, when on, turn
+    scores into rewards."""
     import torch
 
     from nodes.algos.metrics import batch_metrics
-    from nodes.algos.token_rewards import apply_kl_penalty, place_scores
+    from nodes.algos.token_rewards import apply_kl_penalty, overlong_penalty, place_scores
 
     p = ctx.params
     scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
@@ -54,8 +68,13 @@ def reward(batch, ctx):
               for src, text, gt, info in zip(batch["data_source"], texts, batch["ground_truth"], extra)]
     token_scores = place_scores(torch.tensor(scores, dtype=torch.float32), batch["response_mask"])
     rewards = token_scores
+    if p["overlong_buffer_len"]:  # on the rewards: the scores stay the task's accuracy
+        penalty = overlong_penalty(batch["response_mask"], ctx.data.max_response_length, p["overlong_buffer_len"],
+                                   p["overlong_penalty_factor"])
+        rewards = token_scores + place_scores(penalty, batch["response_mask"])
+        ctx.metrics["reward/overlong_penalty"] = penalty.mean().item()
     if p["kl_coef"] > 0:
-        rewards, kl = apply_kl_penalty(token_scores, batch["old_logprobs"], batch["ref_logprobs"],
+        rewards, kl = apply_kl_penalty(rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                        batch["response_mask"], p["kl_coef"], p["kl_estimator"])
         ctx.metrics["critic/kl"] = kl
     out = {"token_level_scores": token_scores, "token_level_rewards": rewards}

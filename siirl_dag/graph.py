@@ -1,4 +1,5 @@
-"""The DAG of a pipeline and its structural checks: ids, deps, cycles, reachability, data flow.
+"""The DAG of a pipeline and its structural checks: ids, deps, cycles, reachability, data flow, and
+the phases of a step with dynamic sampling.
 
 Data flow is checked from the kinds' contracts: every key a node consumes must be produced by exactly
 one of its ancestors (or come from the data loader), so a missing or ambiguous producer is found
@@ -8,6 +9,7 @@ before anything starts.
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import Callable
 
 import networkx as nx
@@ -87,3 +89,44 @@ def check_data_flow(graph: nx.DiGraph, consumes: Callable[[str], tuple], produce
 def topological_order(graph: nx.DiGraph) -> list[str]:
     """Deterministic order: among ready nodes, the one written first in the YAML."""
     return list(nx.lexicographical_topological_sort(graph, key=lambda n: graph.nodes[n]["index"]))
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A pipeline with a node that filters rows (dynamic sampling, trainer/refill.py) runs in two phases."""
+
+    filter: str
+    first: frozenset  # the filter and its ancestors: run once per generation round
+    rest: frozenset  # every other node: run once per step, on the kept rows
+    max_rounds: int
+
+    def to_json(self, order: list[str]) -> dict:
+        return {"filter": self.filter, "rerun": [n for n in order if n in self.first],
+                "then": [n for n in order if n in self.rest], "max_gen_batches": self.max_rounds}
+
+    def describe(self, order: list[str], prompts: int) -> str:
+        js = self.to_json(order)
+        return (f"dynamic sampling: {', '.join(js['rerun'])} run again on more prompts until {prompts} are kept "
+                f"(at most {self.max_rounds} rounds); then {', '.join(js['then'])} on those")
+
+
+def phases_of(pipe) -> Phases | None:
+    """The two phases of a pipeline with a filtering node (None without one); checked by `phase_problems`."""
+    filters = [n for n in pipe.nodes if pipe.kinds[n].filters_rows]
+    if not filters:
+        return None
+    first = frozenset({filters[0]} | nx.ancestors(pipe.graph, filters[0]))
+    return Phases(filters[0], first, frozenset(pipe.nodes) - first, pipe.nodes[filters[0]].params["max_gen_batches"])
+
+
+def phase_problems(pipe) -> list[Problem]:
+    """One filtering node at most, and no training in the part that re-runs (weights would move per round)."""
+    filters = [n for n in pipe.nodes if pipe.kinds[n].filters_rows]
+    out = [Problem(pipe.node_path(n) + ("kind",), f"a second node that filters rows ('{filters[0]}' is the "
+                   "first); expected one per pipeline") for n in filters[1:]]
+    if filters:
+        trainers = sorted(n for n in nx.ancestors(pipe.graph, filters[0]) if pipe.kinds[n].trains)
+        out += [Problem(pipe.node_path(filters[0]) + ("deps",), f"'{filters[0]}' filters rows, so it and its "
+                        f"ancestors run again until the batch is full, and '{t}' would train in each round; "
+                        f"expected no training node upstream of '{filters[0]}'") for t in trainers]
+    return out

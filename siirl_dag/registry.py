@@ -31,6 +31,10 @@ class NodeKind:
     # the tokens each prompt takes as this node feeds it to its model (rows of the dataset, in order):
     # prompt_lengths(node, pipeline, dataset) -> [int]; data.filter_overlong_prompts drops by it
     prompt_lengths: Callable[..., list[int]] | None = None
+    # it filters rows: its output `keep` (one flag per row) marks the rows the step trains on, and the
+    # driver re-runs it and its ancestors on more prompts until the step is full (trainer/refill.py);
+    # its params carry `max_gen_batches`, the rounds a step may take
+    filters_rows: bool = False
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -72,12 +76,12 @@ DTYPE_OPTIONS: dict[str, str] = {
 
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
-              check_data: Callable | None = None, prompt_lengths: Callable | None = None):
+              check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False):
     """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
-                        params_schema, trains, check, check_data, prompt_lengths)
+                        params_schema, trains, check, check_data, prompt_lengths, filters_rows)
         fn.node_kind = kind
         if name is not None:
             if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):

@@ -713,3 +713,55 @@ def test_an_alias_bomb_in_an_override_is_refused(tmp_path):
     levels = ["&a0 [x, x, x, x, x, x, x, x, x, x]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
     (p,) = problems(tmp_path, BASE, [f"description=[{', '.join(levels)}]"])
     assert p.file == "<command line>" and "expands the document past 100000 aliased values" in p.message
+
+
+FILTERED = BASE.replace("  - {id: advantage, kind: advantage, deps: [reward]}\n",
+                        "  - {id: filter, kind: filter_groups, deps: [reward], params: {max_gen_batches: 3}}\n"
+                        "  - {id: advantage, kind: advantage, deps: [filter]}\n")
+
+
+def test_dynamic_sampling_phases_are_shown(tmp_path):
+    from siirl_dag.cli.validate import summary
+
+    pipe = load_pipeline(write(tmp_path, FILTERED))
+    assert pipe.to_json()["dynamic_sampling"] == {"filter": "filter", "rerun": ["rollout", "reward", "filter"],
+                                                  "then": ["advantage", "old_logprob", "actor_update"],
+                                                  "max_gen_batches": 3}
+    assert ("dynamic sampling: rollout, reward, filter run again on more prompts until 8 are kept (at most 3 "
+            "rounds); then advantage, old_logprob, actor_update on those") in summary(pipe)
+    assert load_pipeline(write(tmp_path, BASE)).to_json()["dynamic_sampling"] is None
+
+
+def test_dynamic_sampling_refuses_a_second_filter_and_training_before_it(tmp_path):
+    text = FILTERED.replace("  - {id: advantage, kind: advantage, deps: [filter]}\n",
+                            "  - {id: advantage, kind: advantage, deps: [filter]}\n"
+                            "  - {id: again, kind: filter_groups, deps: [actor_update]}\n")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 4, "kind") and "a second node that filters rows ('filter' is the first)" in p.message
+    assert p.line == line_of(text, "id: again")
+    text = FILTERED.replace("{id: filter, kind: filter_groups, deps: [reward],",
+                            "{id: filter, kind: filter_groups, deps: [actor_update],")
+    (p,) = problems(tmp_path, text.replace("{id: advantage, kind: advantage, deps: [filter]}",
+                                           "{id: advantage, kind: advantage, deps: [reward]}"))
+    assert p.path == ("nodes", 2, "deps")
+    assert "'actor_update' would train in each round; expected no training node upstream of 'filter'" in p.message
+
+
+@pytest.mark.parametrize("key, value, accepted", [
+    ("policy_loss", "gpso", "'vanilla', 'gspo'"),
+    ("loss_agg_mode", "token_sum", "'token-sum'"),
+    ("kl_loss_type", "k3++", "'low_var_kl+'"),
+    ("rollout_is", "tokens", "'off', 'token', 'sequence'"),
+])
+def test_algorithm_names_are_checked_with_the_accepted_ones_listed(tmp_path, key, value, accepted):
+    text = BASE.replace("params: {mini_batch_size: 4}", f"params: {{mini_batch_size: 4, {key}: {value}}}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 4, "params", key) and accepted in p.message and p.line == line_of(text, key)
+
+
+def test_overlong_buffer_must_fit_the_response_limit(tmp_path):
+    text = BASE.replace("{id: reward, kind: reward, deps: [rollout]}",
+                        "{id: reward, kind: reward, deps: [rollout], params: {overlong_buffer_len: 512}}")
+    (p,) = problems(tmp_path, text)
+    assert p.path == ("nodes", 1, "params", "overlong_buffer_len")
+    assert "512 tokens do not fit inside data.max_response_length" in p.message

@@ -86,3 +86,11 @@ def test_apply_kl_penalty():
     assert rewards.tolist()[0] == pytest.approx([-0.1, 0.95, 0.0])
     assert rewards.tolist()[1] == pytest.approx([0.0, 0.0, 0.0])
     assert kl_mean == pytest.approx(0.375)
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer():
+    from nodes.algos.token_rewards import overlong_penalty
+
+    lengths = torch.tensor([4, 6, 7, 8, 10])  # limit 10, buffer 4: free up to 6 tokens
+    mask = (torch.arange(10)[None] < lengths[:, None]).long()
+    assert overlong_penalty(mask, 10, 4, factor=0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]

@@ -23,6 +23,13 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
     return out
 
 
+def overlong_penalty(response_mask: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment, [B]: 0 up to `max_length - buffer` tokens, then falling linearly
+    to -factor at `max_length` (a response the engine cut at the limit gets all of it)."""
+    exceed = response_mask.sum(dim=-1).float() - (max_length - buffer)
+    return (-exceed / buffer * factor).clamp(max=0.0)
+
+
 def apply_kl_penalty(token_level_scores, old_logprobs, ref_logprobs, response_mask, kl_coef: float, estimator: str = "kl"):
     """rewards = scores - kl_coef * KL per token (masked). Returns (token_level_rewards, kl_mean),
     kl_mean being the batch mean of per-sequence mean KL, the quantity an adaptive controller tracks."""

@@ -7,6 +7,7 @@ import sys
 
 from siirl_dag.config import load_pipeline
 from siirl_dag.errors import ConfigError
+from siirl_dag.graph import phases_of
 from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
 from siirl_dag.weight_sync.routes import routes_json
 
@@ -57,6 +58,9 @@ def main(args) -> int:
                   f"{', '.join(sorted(model.lora.targets))}; the base frozen")
     for r in routes_json(pipe):
         print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']}); {r['payload_reason']}")
+    phases = phases_of(pipe)
+    if phases:
+        print("  " + phases.describe(list(pipe.nodes), pipe.data.train_batch_size))
     if pipe.plan:
         print()
         print(pipe.plan.table())

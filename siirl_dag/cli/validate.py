@@ -6,6 +6,7 @@ import json
 import sys
 
 from siirl_dag.config import Pipeline, load_pipeline
+from siirl_dag.graph import phases_of
 from siirl_dag.weight_sync.routes import routes
 
 
@@ -27,6 +28,9 @@ def summary(pipe: Pipeline) -> str:
         sync = f"; weights from {n.weights_from} ({paths[n.id].path})" if n.id in paths else ""
         produces = ", ".join(pipe.produces(n.id)) or "(metrics)"
         lines.append(f"    {n.id}: {n.kind}{where}{deps} -> {produces}{sync}")
+    phases = phases_of(pipe)
+    if phases:
+        lines.append("  " + phases.describe(list(pipe.nodes), pipe.data.train_batch_size))
     return "\n".join(lines)
 
 

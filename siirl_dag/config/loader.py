@@ -15,7 +15,7 @@ from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
 from siirl_dag.config.yaml_loader import load_yaml, locate
 from siirl_dag.errors import ConfigError, Problem
-from siirl_dag.graph import build_graph, check_data_flow, check_structure, topological_order
+from siirl_dag.graph import build_graph, check_data_flow, check_structure, phase_problems, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.registry import DTYPE_OPTIONS, LORA_STRATEGIES, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
@@ -350,6 +350,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         for node in nodes.values():
             if pipe.kinds[node.id].check:
                 problems += pipe.kinds[node.id].check(node, pipe)
+        problems += phase_problems(pipe)
     problems += _model_problems(pipe, for_run) + ([] if for_run else _data_warnings(pipe))
     located(problems)
     if _errors(problems):

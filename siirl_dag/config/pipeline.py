@@ -17,6 +17,7 @@ from siirl_dag.config.lora import LoraSpec
 from siirl_dag.config.schema import describe, validate
 from siirl_dag.config.yaml_loader import locate
 from siirl_dag.errors import ConfigError, Problem, format_path
+from siirl_dag.graph import phases_of
 from siirl_dag.placement.plan import ClusterSpec, Plan
 from siirl_dag.registry import NodeKind
 from siirl_dag.weight_sync.routes import routes_json
@@ -224,5 +225,6 @@ class Pipeline:
                       for n in self.nodes.values()],
             "plan": self.plan.to_json() if self.plan else None,
             "weight_sync": routes_json(self),
+            "dynamic_sampling": phases.to_json(list(self.nodes)) if (phases := phases_of(self)) else None,
             "warnings": [w.to_json() for w in self.warnings],
         }

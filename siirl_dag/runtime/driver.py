@@ -406,11 +406,13 @@ class Runtime:
         return self.sync_paths[dst]
 
     # -- results and teardown -------------------------------------------------------------------
-    def collect(self, result: StepResult, keys: Iterable[str]) -> Batch:
-        """Bring named keys of a finished step to the driver, each from the latest output holding it."""
+    def collect(self, result: StepResult, keys: Iterable[str], rows: int | None = None) -> Batch:
+        """Bring named keys of a finished step to the driver, each from the latest output holding it
+        (with `rows`: the latest in that row space)."""
         batch = None
         for key in keys:
-            owner = next(n for n in reversed([SOURCE] + self.order) if n in result.outputs and key in result.outputs[n].keys)
+            owner = next(n for n in reversed([SOURCE] + self.order) if n in result.outputs and key in result.outputs[n].keys
+                         and rows in (None, result.outputs[n].rows))
             part = self.gather(result.outputs[owner], [key])
             batch = part if batch is None else batch.merge(part)
         return batch if batch is not None else Batch()

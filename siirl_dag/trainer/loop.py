@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
-from siirl_dag.trainer import checkpoint
+from siirl_dag.graph import phases_of
+from siirl_dag.trainer import checkpoint, refill
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
@@ -72,6 +73,7 @@ class Trainer:
             raise pipe.error(("data", "train_batch_size"), exc.problems[0].message) from None
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
+        self.phases = phases_of(pipe)
         self.models = {n: checkpoint.model_identity(pipe.models[m].hf_config(), pipe.models[m].lora)
                        for n in self.trainers for m in [pipe.nodes[n].model]}
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
@@ -158,7 +160,15 @@ class Trainer:
     def train_step(self) -> dict:
         t0 = time.perf_counter()
         epoch = self.loader.state_dict()["epoch"]
-        result = self.rt.run_step(_source(self.loader.next_batch(), f"e{epoch}-"), self.step)
+
+        def next_source():
+            tag = f"e{self.loader.state_dict()['epoch']}-"
+            return _source(self.loader.next_batch(), tag)
+
+        if self.phases is None:
+            result = self.rt.run_step(next_source(), self.step)
+        else:
+            result = refill.run_step(self.rt, self.phases, next_source, self.pipe.data.train_batch_size, self.step)
         metrics = dict(result.metrics)
         metrics.update(self.rt.sync_weights())
         elapsed = time.perf_counter() - t0

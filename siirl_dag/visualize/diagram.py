@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from siirl_dag.config import Pipeline
-from siirl_dag.graph import SOURCE_KEYS
+from siirl_dag.graph import SOURCE_KEYS, phases_of
 from siirl_dag.placement import Component, parse_allocation
 
 
@@ -28,6 +28,7 @@ STRATEGY_STYLES = {
 }
 DATA_STYLE = Style("#F1F3F5", "#868E96", "data loader")
 WEIGHT_SYNC_COLOR = "#AE3EC9"
+REFILL_COLOR = "#E03131"
 EDGE_COLOR = "#495057"
 MUTED = "#6A737D"
 IDLE_FILL = "#F8F9FA"
@@ -72,6 +73,14 @@ def data_edges(pipe: Pipeline) -> list[tuple[str, list[str]]]:
 def weight_syncs(pipe: Pipeline) -> list[tuple[str, str]]:
     """(trainer, receiver) pairs: weights flow back after each update, outside the DAG's order."""
     return [(n.weights_from, n.id) for n in pipe.nodes.values() if n.weights_from]
+
+
+def refill_edge(pipe: Pipeline) -> tuple[str, str] | None:
+    """(the filtering node, its label) where dynamic sampling loops back to the data for more prompts."""
+    phases = phases_of(pipe)
+    if phases is None:
+        return None
+    return phases.filter, f"more prompts until {pipe.data.train_batch_size} kept (≤ {phases.max_rounds} rounds)"
 
 
 def mesh_children(pipe: Pipeline) -> dict[str | None, list[str]]:

@@ -15,8 +15,9 @@ from html import escape
 from siirl_dag.config import Pipeline
 from siirl_dag.errors import ConfigError
 from siirl_dag.visualize.diagram import (CLUSTER_BORDER, CLUSTER_FILL, DATA_NODE, DATA_STYLE, EDGE_COLOR, FONT, MUTED,
-                                         WEIGHT_SYNC_COLOR, cluster_caption, data_edges, edge_keys, mesh_caption,
-                                         mesh_children, mesh_nodes, node_style, strategies_used, weight_syncs)
+                                         REFILL_COLOR, WEIGHT_SYNC_COLOR, cluster_caption, data_edges, edge_keys, mesh_caption,
+                                         mesh_children, mesh_nodes, node_style, refill_edge, strategies_used,
+                                         weight_syncs)
 
 # Raster output at print resolution; vector formats ignore it.
 _PNG_DPI = 192
@@ -57,6 +58,9 @@ def _legend(pipe: Pipeline) -> list[str]:
     if weight_syncs(pipe):
         items.append(f'<TD>{font("- - ▸", 10, WEIGHT_SYNC_COLOR, bold=True)}</TD>'
                      f'<TD ALIGN="LEFT">{font("weight sync (not a dependency)", 10)}</TD>')
+    if refill_edge(pipe):
+        items.append(f'<TD>{font("- - ▸", 10, REFILL_COLOR, bold=True)}</TD>'
+                     f'<TD ALIGN="LEFT">{font("dynamic sampling (re-runs its upstream)", 10)}</TD>')
     items.append(f'<TD>{font("—▸", 10, EDGE_COLOR, bold=True)}</TD>'
                  f'<TD ALIGN="LEFT">{font("batch keys that flow", 10)}</TD>')
     return items
@@ -125,6 +129,10 @@ def graph_dot(pipe: Pipeline) -> str:
         lines.append(f"  {quote(src)} -> {quote(dst)} [label=\"weights (sync)\", style=dashed, constraint=false, "
                      f'color="{WEIGHT_SYNC_COLOR}", fontcolor="{WEIGHT_SYNC_COLOR}", penwidth=1.6, '
                      f'tooltip={quote(f"{src} pushes its updated weights to {dst} after every step")}];')
+    if refill := refill_edge(pipe):
+        lines.append(f"  {quote(refill[0])} -> {quote(DATA_NODE)} [label={quote(_keys_label([refill[1]]))}, "
+                     f'style=dashed, constraint=false, color="{REFILL_COLOR}", fontcolor="{REFILL_COLOR}", '
+                     f'penwidth=1.6, tooltip={quote(refill[0] + " drops rows; its upstream runs again on more prompts")}];')
     return "\n".join(lines + ["}"]) + "\n"
 
 

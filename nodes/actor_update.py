@@ -28,8 +28,22 @@ def check_mini_batch(node, pipeline):
     return []
 
 
+def _checks(node, pipeline):
+    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline)
+
+
+def _stale_samples_corrected(node, pipeline):
+    """Samples of older weights train uncorrected without rollout_is: worth a warning (the demo learns
+    under one_step_off with it and not without; docs/BENCHMARKS.md)."""
+    if pipeline.runtime.schedule == "sync" or node.params["rollout_is"] != "off":
+        return []
+    return [Problem(pipeline.node_path(node.id) + ("params", "rollout_is"), f"schedule {pipeline.runtime.schedule} "
+                    "trains on samples of older weights, and this update does not correct for them; expected "
+                    "rollout_is: token (or sequence)", severity="warning")]
+
+
 @node_kind("actor_update", consumes=_consumes, produces=(), strategies=("megatron",), params_schema="actor_update",
-           trains=True, check=check_mini_batch)
+           trains=True, check=_checks)
 def actor_update(batch, ctx):
     """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus), per token
     or per sequence (GSPO), optionally weighted by the rollout's importance weights."""

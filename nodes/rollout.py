@@ -4,7 +4,7 @@ from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
-            "position_ids", "rollout_logprobs", "response_length", "finish_reason")
+            "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version")
 
 
 def _lengths_fit(node, pipeline) -> list[Problem]:
@@ -59,8 +59,12 @@ def _prompts_fit(node, pipeline, data) -> list[str]:
 @node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout",
            check=_lengths_fit, check_data=_prompts_fit, prompt_lengths=_prompt_lengths)
 def rollout(batch, ctx):
-    """Generate responses; rows are expanded n-fold (samples of one prompt adjacent)."""
+    """Generate responses; rows are expanded n-fold (samples of one prompt adjacent), each with the
+    version of the weights that generated it."""
+    import torch
+
     ctx.check_weights_version()
     sampling = {"greedy": True} if ctx.validating else {"seed": ctx.seed}
     out = ctx.engine.generate(batch["raw_prompt"], sampling, ctx.data.max_prompt_length, ctx.data.max_response_length)
+    out["weights_version"] = torch.full((len(out["responses"]),), ctx.engine.weights_version, dtype=torch.long)
     return ctx.expand(out.pop("sample_index"), out)

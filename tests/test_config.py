@@ -765,3 +765,15 @@ def test_overlong_buffer_must_fit_the_response_limit(tmp_path):
     (p,) = problems(tmp_path, text)
     assert p.path == ("nodes", 1, "params", "overlong_buffer_len")
     assert "512 tokens do not fit inside data.max_response_length" in p.message
+
+
+def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
+    (p,) = problems(tmp_path, BASE, ["runtime.schedule=one_step_off"])
+    assert p.path == ("runtime", "staleness") and "expected runtime.staleness >= 1" in p.message
+    colocated = BASE.replace("gen: vllm:d1", "gen: {alloc: 'vllm:d2', colocate_with: train}")
+    (p,) = problems(tmp_path, colocated, ["runtime.schedule=one_step_off", "runtime.staleness=1"])
+    assert p.path == ("nodes", 0, "mesh") and "shares devices [0, 1] with the training side" in p.message
+    (p,) = problems(tmp_path, FILTERED, ["runtime.schedule=one_step_off", "runtime.staleness=1"])
+    assert p.path == ("runtime", "schedule") and "with dynamic sampling" in p.message
+    pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
+    assert pipe.runtime.schedule == "one_step_off"

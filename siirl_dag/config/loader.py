@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from siirl_dag.config import lora, roll_compat, schema
+from siirl_dag.config import lora, roll_compat, schedule, schema
 from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
 from siirl_dag.config.yaml_loader import load_yaml, locate
@@ -350,7 +350,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         for node in nodes.values():
             if pipe.kinds[node.id].check:
                 problems += pipe.kinds[node.id].check(node, pipe)
-        problems += phase_problems(pipe)
+        problems += phase_problems(pipe) + schedule.problems(pipe)
     problems += _model_problems(pipe, for_run) + ([] if for_run else _data_warnings(pipe))
     located(problems)
     if _errors(problems):

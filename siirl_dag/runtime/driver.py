@@ -46,11 +46,23 @@ class StepResult:
 
 
 @dataclass
+class Job:
+    """One batch through (part of) the DAG. Several jobs run at once on disjoint meshes: the rollout of
+    the next step beside the training of this one (runtime.schedule: one_step_off)."""
+
+    source: Batch | None  # the prompts; None: continue `given`, whose outputs hold them
+    step: int
+    nodes: Iterable[str] | None = None  # None: every node
+    given: StepResult | None = None  # outputs of nodes that ran earlier (a rollout run ahead)
+
+
+@dataclass
 class _Running:
     node: str
     calls: list  # per rank: (wire, info) results or refs
     ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
     started: float
+    job: int = 0  # the index of its Job in run_jobs
     remaining: list = field(default_factory=list)  # info refs not finished yet (Ray)
 
 
@@ -187,30 +199,40 @@ class Runtime:
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, source: Batch, step: int, validating: bool = False, nodes: Iterable[str] | None = None) -> StepResult:
         """Run the DAG (or the sub-graph `nodes`) on one batch of prompts."""
-        wanted = [n for n in self.order if nodes is None or n in set(nodes)]
-        result = StepResult()
-        # the prompts are small: they travel inside the tasks that read them, not through the object store
-        result.outputs[SOURCE] = NodeOutput([Shard(source.to_wire(), 0, source.num_rows)],
-                                            set(source), source.num_rows, row_tokens(source))
-        pending, running, busy = list(wanted), {}, set()
+        return self.run_jobs([Job(source, step, nodes)], validating)[0]
+
+    def run_jobs(self, jobs: list[Job], validating: bool = False) -> list[StepResult]:
+        """Run several batches through their parts of the DAG at once; a mesh runs one node at a time,
+        the earlier job's first."""
+        results, wanted = [], []
+        for job in jobs:
+            result = StepResult(outputs=dict(job.given.outputs) if job.given else {})
+            if job.source is not None:  # the prompts are small: they travel inside the tasks that read them
+                result.outputs[SOURCE] = NodeOutput([Shard(job.source.to_wire(), 0, job.source.num_rows)],
+                                                    set(job.source), job.source.num_rows, row_tokens(job.source))
+            results.append(result)
+            wanted.append({n for n in self.order if job.nodes is None or n in set(job.nodes)})
+        pending = [(i, n) for i in range(len(jobs)) for n in self.order if n in wanted[i]]
+        running: dict[tuple[int, str], _Running] = {}
+        busy: set = set()
         while pending or running:
-            for node_id in list(pending):
-                group = self._group_of(node_id)
-                deps_done = all(d in result.outputs or d not in wanted for d in self.pipe.nodes[node_id].deps)
+            for i, node_id in list(pending):
+                group, result = self._group_of(node_id), results[i]
+                deps_done = all(d in result.outputs or d not in wanted[i] for d in self.pipe.nodes[node_id].deps)
                 if deps_done and group not in busy:
-                    running[node_id] = self._dispatch(node_id, result, step, validating)
-                    pending.remove(node_id)
+                    running[i, node_id] = self._dispatch(node_id, result, jobs[i].step, validating, i)
+                    pending.remove((i, node_id))
                     if group != COMPUTE:
                         busy.add(group)
             waiting = [ref for r in running.values() for ref in r.remaining]
             ready = set(self.backend.wait(waiting)) if waiting else set()
-            for node_id, run in list(running.items()):
+            for key, run in list(running.items()):
                 run.remaining = [ref for ref in run.remaining if ref not in ready]
                 if not run.remaining:
-                    del running[node_id]
-                    busy.discard(self._group_of(node_id))
-                    self._collect(run, result, step, validating, running)
-        return result
+                    del running[key]
+                    busy.discard(self._group_of(run.node))
+                    self._collect(run, results[run.job], jobs[run.job].step, validating, running)
+        return results
 
     def _group_of(self, node_id: str) -> str:
         mesh = self.pipe.nodes[node_id].mesh
@@ -225,7 +247,7 @@ class Runtime:
             return SOURCE
         raise KeyError(f"no output holds '{key}' for node '{node_id}'")
 
-    def _dispatch(self, node_id: str, result: StepResult, step: int, validating: bool) -> _Running:
+    def _dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0) -> _Running:
         pipe, outputs = self.pipe, result.outputs
         owners: dict[str, list[str]] = {}
         # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
@@ -259,7 +281,7 @@ class Runtime:
                                            (seed_base + role.dp_rank) % (2**31), min_version, *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
-        return _Running(node_id, calls, ranks, time.perf_counter(), remaining)
+        return _Running(node_id, calls, ranks, time.perf_counter(), job, remaining)
 
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
         return next((up for up in self.upstream[node_id] if up in outputs and outputs[up].rows), SOURCE)
@@ -295,7 +317,7 @@ class Runtime:
             self.attempts[run.node] = tries + 1
             if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
                 self._restart_group(self._group_of(run.node), step)
-            running[run.node] = self._dispatch(run.node, result, step, validating)
+            running[run.job, run.node] = self._dispatch(run.node, result, step, validating, run.job)
             return
         if isinstance(cause, NodeError):
             raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"

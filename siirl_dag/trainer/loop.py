@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from siirl_dag.config import schedule
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
 from siirl_dag.graph import phases_of
@@ -74,6 +75,8 @@ class Trainer:
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
         self.phases = phases_of(pipe)
+        self.ahead_nodes = schedule.ahead_nodes(pipe)
+        self.ahead = None  # one_step_off: (the next step's generated samples, the rollouts' versions then)
         self.models = {n: checkpoint.model_identity(pipe.models[m].hf_config(), pipe.models[m].lora)
                        for n in self.trainers for m in [pipe.nodes[n].model]}
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
@@ -165,20 +168,56 @@ class Trainer:
             tag = f"e{self.loader.state_dict()['epoch']}-"
             return _source(self.loader.next_batch(), tag)
 
-        if self.phases is None:
-            result = self.rt.run_step(next_source(), self.step)
+        spans = {}
+        if self.pipe.runtime.schedule == "one_step_off":
+            result, spans, metrics = self._one_step_off(next_source)
+        elif self.phases is None:
+            result, metrics = self.rt.run_step(next_source(), self.step), {}
         else:
             result = refill.run_step(self.rt, self.phases, next_source, self.pipe.data.train_batch_size, self.step)
-        metrics = dict(result.metrics)
+            metrics = {}
+        spans.update(result.spans)
+        metrics.update(result.metrics)
         metrics.update(self.rt.sync_weights())
         elapsed = time.perf_counter() - t0
         metrics["timing_s/step"] = elapsed
-        busy = _union_length(result.spans.values())
+        for mesh in self.pipe.meshes:  # devices waiting for the other side (what one_step_off overlaps)
+            on_mesh = [s for n, s in spans.items() if self.pipe.nodes[n.split("#")[0]].mesh == mesh]
+            metrics[f"timing_s/idle/{mesh}"] = max(elapsed - _union_length(on_mesh), 0.0)
+        busy = _union_length(spans.values())
         metrics["timing_s/engine_overhead"] = max(elapsed - busy - metrics.get("timing_s/sync_weights", 0.0), 0.0)
         tokens = max((o.tokens for o in result.outputs.values()), key=lambda tk: sum(tk), default=[])
         metrics["perf/throughput"] = sum(tokens) / elapsed / self.pipe.cluster.total
         metrics["training/epoch"] = epoch
         return metrics
+
+    def _one_step_off(self, next_source):
+        """Train on the samples generated a step ago while the rollouts generate the next step's; at a
+        step that saves (and the last) nothing runs ahead, so a checkpoint holds no samples in flight.
+        Returns (this step's result, the spans of both sides, the staleness metrics)."""
+        from siirl_dag.runtime.driver import Job
+
+        rt, t, done = self.rt, self.pipe.trainer, self.step + 1
+        if self.ahead is None:  # the first step, or the first after a save: generate now
+            generated_with = dict(rt.synced)
+            self.ahead = (rt.run_step(next_source(), self.step, nodes=self.ahead_nodes), generated_with)
+        given, generated_with = self.ahead
+        staleness = {src: rt.versions[src] - generated_with[dst] for dst, src in
+                     ((n.id, n.weights_from) for n in self.pipe.nodes.values() if n.weights_from)}
+        if max(staleness.values()) > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
+            raise PipelineError(f"step {done}: samples {max(staleness.values())} weight versions old exceed "
+                                f"runtime.staleness = {self.pipe.runtime.staleness}")
+        jobs = [Job(None, self.step, set(self.pipe.nodes) - self.ahead_nodes, given)]
+        drain = done == self.total_steps or (t.save_freq > 0 and done % t.save_freq == 0)
+        if not drain:
+            jobs.append(Job(next_source(), done, self.ahead_nodes))
+        now_synced = dict(rt.synced)
+        results = rt.run_jobs(jobs)
+        self.ahead = None if drain else (results[1], now_synced)
+        spans = {**({f"{n}#ahead": s for n, s in results[1].spans.items()} if not drain else {})}
+        metrics = {**given.metrics, "async/staleness/mean": sum(staleness.values()) / len(staleness),
+                   "async/staleness/max": max(staleness.values())}
+        return results[0], spans, metrics
 
     def validate(self) -> dict:
         """Greedy rollouts over the validation set; mean score per data source."""

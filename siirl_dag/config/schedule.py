@@ -1,0 +1,46 @@
+"""`runtime.schedule`: which part of a step runs ahead, and what a schedule needs of the meshes.
+
+one_step_off: the rollouts (the nodes that take weights from a trainer) and their ancestors generate
+the next step's samples while this step trains, so both sides must own their devices, and a sample
+trains one weight version after the one that generated it (runtime.staleness >= 1).
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from siirl_dag.errors import Problem
+
+
+def ahead_nodes(pipe) -> frozenset:
+    """The nodes that run a step ahead under one_step_off: every weights_from consumer and its ancestors."""
+    rollouts = [n.id for n in pipe.nodes.values() if n.weights_from]
+    return frozenset(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
+
+
+def problems(pipe) -> list[Problem]:
+    """What one_step_off cannot run (each at the key to change)."""
+    rt = pipe.runtime
+    if rt.schedule == "sync":
+        return []
+    out = []
+    if rt.staleness < 1:
+        out.append(Problem(("runtime", "staleness"), f"{rt.staleness}: under schedule {rt.schedule} a sample trains "
+                           "one weight version after the one that generated it; expected runtime.staleness >= 1"))
+    ahead = ahead_nodes(pipe)
+    if not any(n.weights_from for n in pipe.nodes.values()):
+        out.append(Problem(("runtime", "schedule"), f"{rt.schedule} runs the rollouts ahead, and no node takes "
+                           "weights from a trainer (weights_from); expected schedule sync"))
+    if any(pipe.kinds[n].filters_rows for n in pipe.nodes):
+        out.append(Problem(("runtime", "schedule"), f"{rt.schedule} with dynamic sampling (a node that filters rows) "
+                           "is not built yet; expected schedule sync"))
+    if pipe.plan is None:
+        return out
+    devices = lambda ids: {d for n in ids if pipe.nodes[n].mesh for d in pipe.plan.meshes[pipe.nodes[n].mesh].devices}  # noqa: E731
+    shared = devices(ahead) & devices(set(pipe.nodes) - ahead)
+    for n in sorted(n for n in ahead if pipe.nodes[n].mesh and devices([n]) & shared):
+        out.append(Problem(pipe.node_path(n) + ("mesh",), f"'{n}' runs a step ahead under {rt.schedule}, but its "
+                           f"mesh '{pipe.nodes[n].mesh}' shares devices {sorted(devices([n]) & shared)} with the "
+                           "training side, so the two cannot overlap; expected meshes on devices of their own "
+                           "(no colocate_with), or schedule sync"))
+    return out

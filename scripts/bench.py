@@ -1,11 +1,12 @@
 """The demo pipeline, measured: per-node step breakdown, engine overhead, weight sync, tokens/s;
 with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync, LoRA).
 
-    python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--all]
+    python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--trace] [--all]
 
 Needs the demo task (make demo, or python scripts/make_demo_task.py data/demo).
 Engine overhead = step time - (time any node was running + weight sync): what the driver adds
-between nodes (data loading, dispatch, collection).
+between nodes (data loading, dispatch, collection). --trace runs the demo again with trainer.trace
+and reports the step time with the timeline recorded against without.
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ OTHERS = {  # script -> arguments; each prints JSON with --json
 }
 
 
-def demo(path: str, steps: int) -> dict:
+def demo(path: str, steps: int, trace: bool = False) -> dict:
     from siirl_dag.config import load_pipeline
     from siirl_dag.trainer.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         pipe = load_pipeline(path, [f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.logger=[]",
                                     "trainer.save_freq=-1", "trainer.export_hf=false", "data.val_files=null",
-                                    f"trainer.default_local_dir={tmp}/ckpt"], for_run=True)
-        history = Trainer(pipe, progress=lambda *_: None).fit()
+                                    f"trainer.default_local_dir={tmp}/ckpt", f"trainer.trace={str(trace).lower()}",
+                                    f"trainer.log_dir={tmp}/logs"], for_run=True)
+        history = Trainer(pipe, progress=lambda *_: None).fit(Path(tmp) / "logs")
     measured = [history["steps"][s] for s in sorted(history["steps"])[1:]] or list(history["steps"].values())  # skip warm-up
     med = lambda key: statistics.median(m.get(key, 0.0) for m in measured)  # noqa: E731
     nodes = {n: med(f"timing_s/{n}") for n in pipe.nodes}
@@ -59,9 +61,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--pipeline", default=str(ROOT / "graphs" / "tiny_grpo_cpu.yaml"))
     ap.add_argument("--all", action="store_true", help="also run the other benchmark scripts")
+    ap.add_argument("--trace", action="store_true", help="also the step time with trainer.trace on")
     args = ap.parse_args()
     with json_stdout(args.json) as emit:
         report = {"demo": demo(args.pipeline, args.steps)}
+        if args.trace:
+            traced = demo(args.pipeline, args.steps, trace=True)
+            report["trace"] = {"step_s": traced["step_s"], "cost_fraction": traced["step_s"] / report["demo"]["step_s"] - 1}
         if args.all:
             for name, (script, *extra) in OTHERS.items():
                 res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--json", *extra],
@@ -76,6 +82,8 @@ def main() -> None:
           f"engine overhead {1000 * d['engine_overhead_s']:.1f} ms = {100 * d['engine_overhead_fraction']:.1f}% of a step")
     for node, t in d["node_s"].items():
         print(f"  {node:<14} {1000 * t:8.1f} ms")
+    if "trace" in report:
+        print(f"with trainer.trace: {report['trace']['step_s']:.3f} s/step ({100 * report['trace']['cost_fraction']:+.1f}%)")
     for name in OTHERS:
         if name in report:
             print(f"{name}: {json.dumps(report[name])[:300]}")

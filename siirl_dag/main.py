@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="attach to a running Ray cluster instead of starting one")
     run.add_argument("--verbose", action="store_true",
                      help="stream the logs of vLLM, Ray, Megatron and transformers here (else: the run's log folder)")
+    run.add_argument("--trace", action="store_true", help="write the run's timeline (trainer.trace=true)")
     validate = sub.add_parser("validate", help="check a pipeline and print its summary or every problem")
     _add_pipeline_args(validate)
     plan = sub.add_parser("plan", help="show where every rank of every mesh runs")

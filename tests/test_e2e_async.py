@@ -4,7 +4,9 @@ checkpoint and resumed gives the same metrics as one that was not."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -23,14 +25,36 @@ def demo_data(tmp_path_factory):
 
 
 def test_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):
-    history = parsed(launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "ray", "trainer.total_steps=4",
-                            *ONE_STEP_OFF))
+    res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "ray", "trainer.total_steps=4", "--trace",
+                 *ONE_STEP_OFF)
+    history = parsed(res)
     steps = history["steps"]
     # the first step generates its own samples; every later one trains on samples of the previous weights
     assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3", "4")] == [0, 1, 1, 1]
     for s in ("2", "3"):  # the rollout ran beside the update: its mesh waited less than the whole step
         assert steps[s]["timing_s/idle/gen"] < steps[s]["timing_s/step"]
         assert steps[s]["actor/grad_norm"] > 0 and steps[s]["timing_s/sync_weights"] > 0
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("[trainer] timeline of the run: ")]
+    check_trace(Path(line.split(": ", 1)[1].split(" (")[0]))
+
+
+def check_trace(path):
+    """--trace: a track per mesh, a thread per rank, a span per node execution (the rollout of the step
+    ahead beside the update), and the driver's sync, save, validation and data loading."""
+    trace = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    spans = [dict(e, track=tracks[e["pid"]]) for e in trace if e["ph"] == "X"]
+    assert set(tracks.values()) == {"gen", "train", "__compute__", "driver"}
+    by = lambda name: [s for s in spans if s["name"] == name]  # noqa: E731
+    assert len(by("actor_update")) == 4 and {s["args"]["step"] for s in by("actor_update")} == {0, 1, 2, 3}
+    assert {s["tid"] for s in by("actor_update")} == {"rank 0"} and by("actor_update")[0]["track"] == "train"
+    syncs = by("sync actor_update -> rollout")
+    assert len(syncs) == 5 and all(s["args"]["bytes"] > 0 for s in syncs)  # at start, after each step
+    assert len(by("save checkpoint")) == 1 and len(by("load data")) == 4 and by("validation")
+    # at step 2 (index 1) the next step's rollout overlapped this step's update
+    update = next(s for s in by("actor_update") if s["args"]["step"] == 1)
+    ahead = next(s for s in by("rollout") if s["args"]["step"] == 2 and not s["args"]["validating"])
+    assert ahead["ts"] < update["ts"] + update["dur"] and update["ts"] < ahead["ts"] + ahead["dur"]
 
 
 def test_one_step_off_resume_is_exact(tmp_path, tiny_model_dir, demo_data):

@@ -30,7 +30,7 @@ def _check_address(pipe, address: str | None) -> None:
 
 
 def main(args) -> int:
-    pipe = load_pipeline(args.pipeline, args.overrides, for_run=True)
+    pipe = load_pipeline(args.pipeline, [*args.overrides, *(["trainer.trace=true"] if args.trace else [])], for_run=True)
     _check_address(pipe, args.address)
     # the data and checkpoint checks (the Trainer's) load neither torch nor Ray: bad input is refused in about a second
     from siirl_dag.trainer.loop import Trainer

@@ -145,6 +145,7 @@ class TrainerSpec:
     log_dir: str | None
     export_hf: bool
     val_score_key: str
+    trace: bool
 
 
 @dataclass(frozen=True)

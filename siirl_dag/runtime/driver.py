@@ -20,6 +20,7 @@ from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
+from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.weight_sync.routes import routes
@@ -90,6 +91,7 @@ class Runtime:
         # the probe's vocabulary, per rollout node (None: no model config on disk, no probe)
         self.probe_vocab = {n: (pipeline.models[pipeline.nodes[n].model].hf_config() or {}).get("vocab_size")
                             for n in self.synced}
+        self.trace = Trace() if pipeline.trainer.trace else None  # trainer.trace: the run's timeline
 
     # -- set-up ---------------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -296,6 +298,11 @@ class Runtime:
         local = self.backend.name == "local"
         by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
                         for (dp, is_out), call, info in zip(run.ranks, run.calls, infos) if is_out), key=lambda x: x[0])
+        if self.trace is not None:  # a span per rank, on the rank's own clock
+            for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):
+                self.trace.span(self._group_of(run.node), f"rank {rank}", run.node, *info["span"], step=step, dp_rank=dp,
+                                rows=info["rows"], validating=validating,
+                                weights_version=self.versions.get(run.node, info["weights_version"]))
         shards, tokens, start, keys = [], [], 0, set()
         for _, wire, info in by_dp:
             shards.append(Shard(wire, start, start + info["rows"]))
@@ -365,7 +372,7 @@ class Runtime:
             src = self.pipe.nodes[dst].weights_from
             if have >= self.versions[src]:
                 continue
-            t0 = time.perf_counter()
+            t0, began = time.perf_counter(), time.time()
             try:
                 stats = self._sync_one(src, dst)
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
@@ -379,6 +386,9 @@ class Runtime:
             metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
             self.synced[dst] = self.versions[src]
             self.syncs[dst] += 1
+            if self.trace is not None:
+                self.trace.driver(f"sync {src} -> {dst}", began, version=self.versions[src], path=self.routes[dst].path,
+                                  **{k.removeprefix("sync/"): v for k, v in stats.items()})
         return metrics
 
     def _sync_one(self, src: str, dst: str) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from contextlib import suppress
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ class RankWorker:
             *shards):
         """Assemble this rank's input from shard pieces, run the node, return (wire, info). The shards
         come as top-level arguments, so Ray fetches them before the call (and no reference is borrowed)."""
-        role = self.roles[node_id]
+        role, began = self.roles[node_id], time.time()
         try:
             self._activate(role.engine_key)
             batch = _assemble(inputs, shards)
@@ -126,7 +127,8 @@ class RankWorker:
         except Exception:  # noqa: BLE001 - report any failure of user code with where it happened
             raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(traceback.format_exc())) from None
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,
-                "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank}
+                "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank,
+                "span": (began, time.time()), "weights_version": getattr(ctx.engine, "weights_version", None)}
         return (result.to_wire() if role.output_rank else None), info
 
     def _with_log(self, detail: str) -> str:

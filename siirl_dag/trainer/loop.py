@@ -148,9 +148,11 @@ class Trainer:
                         history["val_last"] = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
                     if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
                         self.progress(f"[trainer] step {self.step}: saving a checkpoint ...")
-                        began = time.perf_counter()
+                        began, wall = time.perf_counter(), time.time()
                         saved = self.save()
                         metrics["timing_s/save_checkpoint"] = time.perf_counter() - began
+                        if rt.trace is not None:
+                            rt.trace.driver("save checkpoint", wall, step=self.step, folder=str(saved))
                         self.progress(f"[trainer] step {self.step}: saved {saved} in {metrics['timing_s/save_checkpoint']:.1f} s")
                     log.log(self.step, metrics)
                     history["steps"][self.step] = metrics
@@ -158,6 +160,9 @@ class Trainer:
                     self.export_hf(saved)  # the last step is always saved
             finally:
                 log.close()
+                if rt.trace is not None:  # beside the run's logs (with --verbose: in its output folder)
+                    written = rt.trace.write((log_dir or self.out_dir) / "trace.json")
+                    self.progress(f"[trainer] timeline of the run: {written} (Perfetto, chrome://tracing)")
             return history
 
     def train_step(self) -> dict:
@@ -165,8 +170,11 @@ class Trainer:
         epoch = self.loader.state_dict()["epoch"]
 
         def next_source():
-            tag = f"e{self.loader.state_dict()['epoch']}-"
-            return _source(self.loader.next_batch(), tag)
+            tag, began = f"e{self.loader.state_dict()['epoch']}-", time.time()
+            source = _source(self.loader.next_batch(), tag)
+            if self.rt.trace is not None:
+                self.rt.trace.driver("load data", began, step=self.step, prompts=source.num_rows)
+            return source
 
         spans = {}
         if self.pipe.runtime.schedule == "one_step_off":
@@ -227,7 +235,7 @@ class Trainer:
             return {}
         import networkx as nx
 
-        wanted = {producer} | nx.ancestors(pipe.graph, producer)
+        wanted, began = {producer} | nx.ancestors(pipe.graph, producer), time.time()
         size = pipe.data.val_batch_size or len(self.val_data)
         per_source = defaultdict(list)
         for start in range(0, len(self.val_data), size):
@@ -236,6 +244,8 @@ class Trainer:
             batch = self.rt.collect(result, [key, "data_source"])
             for src, score in zip(batch["data_source"], batch[key].sum(dim=-1).tolist()):
                 per_source[src].append(score)
+        if self.rt.trace is not None:
+            self.rt.trace.driver("validation", began, step=self.step, prompts=len(self.val_data))
         return {f"val-core/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
 
     # -- checkpoints ----------------------------------------------------------------------------

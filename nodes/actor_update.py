@@ -47,13 +47,17 @@ def _stale_samples_corrected(node, pipeline):
 def actor_update(batch, ctx):
     """Mini-batch epochs of the PPO clipped objective (+ optional KL loss and entropy bonus), per token
     or per sequence (GSPO), optionally weighted by the rollout's importance weights."""
-    from nodes.algos.losses import ppo_actor_loss, rollout_is_weights
+    from nodes.algos.losses import ppo_actor_loss
+    from nodes.algos.rollout_corr import rollout_corr_metrics, rollout_is_weights
 
     p = ctx.params
 
+    def weights_of(rows):
+        return rollout_is_weights(rows["old_logprobs"], rows["rollout_logprobs"], rows["response_mask"],
+                                  p["rollout_is"], p["rollout_is_threshold"])
+
     def loss_fn(logprobs, entropy, mb, totals):
-        weights = None if p["rollout_is"] == "off" else rollout_is_weights(
-            mb["old_logprobs"], mb["rollout_logprobs"], mb["response_mask"], p["rollout_is"], p["rollout_is_threshold"])
+        weights = None if p["rollout_is"] == "off" else weights_of(mb)
         return ppo_actor_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], entropy=entropy,
                               ref_logprobs=mb.get("ref_logprobs"), clip_ratio_low=p["clip_ratio_low"],
                               clip_ratio_high=p["clip_ratio_high"], clip_ratio_c=p["clip_ratio_c"],
@@ -64,4 +68,7 @@ def actor_update(batch, ctx):
     metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * ctx.samples_per_prompt,
                                micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"])
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
+    if p["rollout_is"] != "off":  # this rank's rows (all of them on one data-parallel rank)
+        ctx.metrics.update(rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
+                                                weights_of(batch)))
     return {}

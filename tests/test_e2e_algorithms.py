@@ -4,6 +4,7 @@ one line when it cannot; GSPO with rollout importance weights and a straight-thr
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -67,4 +68,5 @@ def test_gspo_with_rollout_importance_weights_trains(tmp_path, tiny_model_dir, d
     history = parsed(launch(tmp_path, GSPO, tiny_model_dir, demo_data))
     m = history["steps"]["2"]
     assert m["actor/grad_norm"] > 0 and "actor/kl_loss" in m
-    assert 0 < m["actor/rollout_is_weight"] <= 2.0
+    assert 0 < m["rollout_corr/rollout_is_mean"] <= 2.0 and m["rollout_corr/rollout_is_max"] <= 2.0
+    assert math.isfinite(m["rollout_corr/kl"]) and m["rollout_corr/training_ppl"] > 1

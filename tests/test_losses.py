@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from nodes.algos.losses import (agg_loss, kl_penalty, policy_loss, ppo_actor_loss, ppo_critic_loss, rollout_is_weights,
-                               value_loss)
+from nodes.algos.losses import agg_loss, kl_penalty, policy_loss, ppo_actor_loss, ppo_critic_loss, value_loss
+from nodes.algos.rollout_corr import rollout_corr_metrics, rollout_is_weights
 
 # Per-token loss with padding set to 100 so any leak of padding shows up.
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0, 100.0, 100.0, 100.0]])
@@ -182,6 +182,16 @@ def test_rollout_importance_weights_are_truncated_per_token_or_per_sequence():
     mask = torch.tensor([[1, 1, 0]])
     torch.testing.assert_close(rollout_is_weights(old, rollout, mask, "token", 1.5), torch.tensor([[1.5, 0.5, 0.0]]))
     torch.testing.assert_close(rollout_is_weights(old, rollout, mask, "sequence", 1.5), torch.tensor([[1.0, 1.0, 0.0]]))
+    m = rollout_corr_metrics(old, rollout, mask, rollout_is_weights(old, rollout, mask, "token", 1.5))
+    assert m["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)  # log rho = ln 2, -ln 2
+    assert m["rollout_corr/k3_kl"] == pytest.approx((2 - math.log(2) - 1 + 0.5 + math.log(2) - 1) / 2)
+    assert m["rollout_corr/chi2_token"] == pytest.approx((4 + 0.25) / 2 - 1)
+    assert m["rollout_corr/chi2_seq"] == pytest.approx(0.0, abs=1e-6)  # the sequence's ratio is 1
+    assert m["rollout_corr/log_ppl_diff"] == pytest.approx(0.0, abs=1e-6)
+    assert m["rollout_corr/training_ppl"] == pytest.approx(1.0)  # old log-probs 0
+    assert m["rollout_corr/rollout_ppl"] == pytest.approx(math.exp(-(math.log(0.5) + math.log(2)) / 2))
+    assert (m["rollout_corr/rollout_is_max"], m["rollout_corr/rollout_is_min"]) == (1.5, 0.5)
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(4 / 2.5 / 2)
     weights = torch.tensor([[2.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     tokens, *_ = policy_loss(NEW, OLD, ADV, PMASK, rollout_is_weights=weights)
     assert agg_loss(tokens, PMASK, "token-mean").item() == pytest.approx((-2.4 - 0.5 + 0.8 + 3.0) / 4)

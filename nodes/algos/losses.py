@@ -10,7 +10,6 @@ on how the batch is split; without `totals` they are this call's own (tests, met
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -140,18 +139,6 @@ def policy_loss(
     return loss, pg_clipfrac.detach(), ppo_kl.detach(), pg_clipfrac_lower.detach()
 
 
-def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                       level: str = "token", threshold: float = 2.0) -> torch.Tensor:
-    """Truncated importance weights [B, R] of the trainer's old policy against the rollout engine's
-    sampling distribution (the two differ: other kernels, other precision, or an older policy when
-    training runs asynchronously): min(pi_old / pi_rollout, threshold), per token or one per sequence
-    (the product of its token ratios). Detached: they weigh the loss, they are not trained."""
-    log_ratio = ((old_logprobs - rollout_logprobs) * response_mask).detach()
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
-    return log_ratio.clamp(max=math.log(threshold)).exp() * response_mask
-
-
 def value_loss(
     values_pred: torch.Tensor,
     old_values: torch.Tensor,
@@ -210,8 +197,6 @@ def ppo_actor_loss(
     loss, metrics["actor/pg_loss"] = term(pg_tokens)
     metrics.update({"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.item()})
-    if rollout_is_weights is not None:
-        metrics["actor/rollout_is_weight"] = masked_mean(rollout_is_weights, response_mask).item()
     if entropy is not None:
         entropy_loss, metrics["actor/entropy"] = term(entropy)
         loss = loss - entropy_coeff * entropy_loss

@@ -213,7 +213,7 @@ class Runtime:
                 result.outputs[SOURCE] = NodeOutput([Shard(job.source.to_wire(), 0, job.source.num_rows)],
                                                     set(job.source), job.source.num_rows, row_tokens(job.source))
             results.append(result)
-            wanted.append({n for n in self.order if job.nodes is None or n in set(job.nodes)})
+            wanted.append(set(self.order) if job.nodes is None else set(job.nodes))
         pending = [(i, n) for i in range(len(jobs)) for n in self.order if n in wanted[i]]
         running: dict[tuple[int, str], _Running] = {}
         busy: set = set()

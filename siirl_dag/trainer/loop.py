@@ -205,10 +205,10 @@ class Trainer:
         Returns (this step's result, the spans of both sides, the staleness metrics)."""
         from siirl_dag.runtime.driver import Job
 
-        rt, t, done = self.rt, self.pipe.trainer, self.step + 1
+        rt, t, done, spans = self.rt, self.pipe.trainer, self.step + 1, {}
         if self.ahead is None:  # the first step, or the first after a save: generate now
-            generated_with = dict(rt.synced)
-            self.ahead = (rt.run_step(next_source(), self.step, nodes=self.ahead_nodes), generated_with)
+            self.ahead = (rt.run_step(next_source(), self.step, nodes=self.ahead_nodes), dict(rt.synced))
+            spans.update(self.ahead[0].spans)
         given, generated_with = self.ahead
         staleness = {src: rt.versions[src] - generated_with[dst] for dst, src in
                      ((n.id, n.weights_from) for n in self.pipe.nodes.values() if n.weights_from)}
@@ -222,7 +222,8 @@ class Trainer:
         now_synced = dict(rt.synced)
         results = rt.run_jobs(jobs)
         self.ahead = None if drain else (results[1], now_synced)
-        spans = {**({f"{n}#ahead": s for n, s in results[1].spans.items()} if not drain else {})}
+        if not drain:
+            spans.update({f"{n}#ahead": s for n, s in results[1].spans.items()})
         metrics = {**given.metrics, "async/staleness/mean": sum(staleness.values()) / len(staleness),
                    "async/staleness/max": max(staleness.values())}
         return results[0], spans, metrics

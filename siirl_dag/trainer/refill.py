@@ -1,8 +1,8 @@
-"""Dynamic sampling (the phases: graph.phases_of): a node kind that filters rows (`filters_rows`; DAPO's filter_groups) marks with
-`keep` the rows a step trains on. The filter and its ancestors (the first phase) run again on more
-prompts until the kept rows cover data.train_batch_size prompts, at most `max_gen_batches` rounds;
-then the rest of the DAG (the second phase) runs once on exactly that many prompts' rows, handed to
-it as the step's source batch.
+"""Dynamic sampling: a node kind that filters rows (`filters_rows`; DAPO's filter_groups) marks with
+`keep` the rows a step trains on. The filter and its ancestors (the first phase, graph.phases_of)
+run again on more prompts until the kept rows cover data.train_batch_size prompts, at most
+`max_gen_batches` rounds; then the rest of the DAG (the second phase) runs once on exactly that many
+prompts' rows, handed to it as the step's source batch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def run_step(rt, phases: Phases, next_source: Callable, prompts: int, step: int)
     metrics of the last round of the first and `dynamic_sampling/*`."""
     from siirl_dag.runtime import Batch
 
-    kept, uids, spans, metrics, drawn = [], [], {}, {}, 0
+    kept, uids, spans, metrics, drawn = [], {}, {}, {}, 0  # uids: the kept prompts, in order
     for round_ in range(1, phases.max_rounds + 1):
         source = next_source()
         drawn += source.num_rows
@@ -30,7 +30,7 @@ def run_step(rt, phases: Phases, next_source: Callable, prompts: int, step: int)
                            rows=output.rows)
         chosen = batch.select(batch["keep"].nonzero().squeeze(1))
         kept.append(chosen.only([k for k in chosen if k != "keep"]))
-        uids += [u for u in dict.fromkeys(chosen["uid"]) if u not in uids]
+        uids.update(dict.fromkeys(chosen["uid"]))
         if len(uids) >= prompts:
             break
     else:
@@ -39,7 +39,7 @@ def run_step(rt, phases: Phases, next_source: Callable, prompts: int, step: int)
                             "too few prompts have samples that score differently; raise max_gen_batches, or make "
                             "the task's rewards vary more (more samples per prompt, a higher temperature)")
     batch = Batch.concat(kept)
-    wanted = set(uids[:prompts])
+    wanted = set(list(uids)[:prompts])
     batch = batch.select([i for i, u in enumerate(batch["uid"]) if u in wanted])
     result = rt.run_step(batch, step, nodes=phases.rest)
     result.metrics = {**metrics, **result.metrics, "dynamic_sampling/rounds": round_,

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 
 # The modules whose tests start a vLLM engine, Megatron ranks or Ray (marked `engines`); `make test-fast`
 # runs the rest: config, graph, placement, algorithms, pictures, packaging.
-ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_weight_sync", "test_lora_sync", "test_megatron_lora", "test_vllm_strategy", "test_runtime", "test_cuda",
+ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_e2e_algorithms", "test_e2e_async", "test_loss_normalization",
+                  "test_weight_sync", "test_lora_sync", "test_megatron_lora", "test_vllm_strategy", "test_runtime", "test_cuda",
                   "test_megatron_checkpoint", "test_megatron_cpu_compat", "test_megatron_critic",
                   "test_megatron_engine", "test_megatron_hf_convert"}
 # Options of the session engine; tests that compare against HF need fp32.
@@ -25,6 +26,16 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in ENGINE_MODULES:
             item.add_marker(pytest.mark.engines)
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    """The demo task's parquet files (make_demo_task.py), written once for the session."""
+    from make_demo_task import write_task
+
+    out = tmp_path_factory.mktemp("demo")
+    write_task(out, seed=0)
+    return out
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -41,15 +41,6 @@ METRICS = ["critic/score/mean", "critic/advantages/mean", "response_length/mean"
            "timing_s/actor_update", "timing_s/step", "timing_s/sync_weights", "perf/throughput", "val-core/demo/arith/acc"]
 
 
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from make_demo_task import write_task
-
-    out = tmp_path_factory.mktemp("demo")
-    write_task(out, seed=0)
-    return out
-
-
 def launch(tmp_path, model, data, meshes=SEPARATE, devices=2, backend="ray", *overrides) -> subprocess.CompletedProcess:
     tmp_path.mkdir(parents=True, exist_ok=True)
     f = tmp_path / "pipeline.yaml"

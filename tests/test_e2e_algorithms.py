@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from test_e2e import PIPELINE, QUICK, SEPARATE, parsed
 
@@ -32,15 +31,6 @@ def launch(tmp_path, text, model, data, metric="token_level_rewards") -> subproc
     assert "filter_groups" in f.read_text() or "gspo" in f.read_text()
     return subprocess.run([sys.executable, "-m", "siirl_dag.main", str(f), "--json", *QUICK], capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from make_demo_task import write_task
-
-    out = tmp_path_factory.mktemp("demo")
-    write_task(out, seed=0)
-    return out
 
 
 def test_dapo_fills_each_step_with_prompts_whose_samples_differ(tmp_path, tiny_model_dir, demo_data):

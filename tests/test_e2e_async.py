@@ -15,15 +15,6 @@ from test_e2e import QUICK, SEPARATE, launch, parsed
 ONE_STEP_OFF = ("runtime.schedule=one_step_off", "runtime.staleness=1", *QUICK)
 
 
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    from make_demo_task import write_task
-
-    out = tmp_path_factory.mktemp("demo")
-    write_task(out, seed=0)
-    return out
-
-
 def test_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):
     res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "ray", "trainer.total_steps=4", "--trace",
                  *ONE_STEP_OFF)

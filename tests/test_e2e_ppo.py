@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from test_e2e import demo_data, tensorboard_tags  # noqa: F401 - demo_data is a fixture
+from test_e2e import tensorboard_tags
 
 ROOT = Path(__file__).resolve().parents[1]
 CRITIC_METRICS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
@@ -33,7 +33,7 @@ def with_value_head(model_dir: str, out: Path) -> Path:
     return out
 
 
-def test_ppo_critic_pipeline_through_ray(tmp_path, tiny_model_dir, demo_data):  # noqa: F811
+def test_ppo_critic_pipeline_through_ray(tmp_path, tiny_model_dir, demo_data):
     critic = with_value_head(tiny_model_dir, tmp_path / "critic_model")
     overrides = [f"models.policy.path={tiny_model_dir}", f"models.critic.path={critic}",
                  f"data.train_files={demo_data}/train.parquet", "data.val_files=null", "data.train_batch_size=8",

@@ -28,13 +28,17 @@ if [ "$FLAVOUR" = cpu ]; then
   $PIP uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 
-# 4. Graphviz's `dot` renders `visualize` to SVG/PNG (optional: .dot and .mmd work without it).
-if ! command -v dot >/dev/null 2>&1; then
+# 4. Debian packages the pictures use, where this user may install them (optional: the rest works without):
+#    Graphviz's `dot` renders `visualize` to SVG/PNG; Chromium lets the tests open the HTML pages headless.
+apt_install() {  # PACKAGE COMMAND
+  command -v "$2" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get install -y -q graphviz >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q graphviz >/dev/null 2>&1)) \
-      && echo "[setup] installed graphviz" || echo "[setup] could not install graphviz; install it with: apt-get install graphviz"
+    (apt-get install -y -q "$1" >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$1" >/dev/null 2>&1)) \
+      && echo "[setup] installed $1" || echo "[setup] could not install $1; install it with: apt-get install $1"
   else
-    echo "[setup] graphviz 'dot' not found; for SVG/PNG pictures install it: sudo apt-get install graphviz"
+    echo "[setup] '$2' not found; for $3 install it: sudo apt-get install $1"
   fi
-fi
+}
+apt_install graphviz dot "SVG/PNG pictures"
+apt_install chromium chromium "the browser tests of the HTML pages"
 echo "[setup] done"

@@ -22,6 +22,7 @@ EPILOG = """examples:
   python -m siirl_dag.main plan graphs/qwen3_8b_grpo_megatron.yaml              where every rank sits
   python -m siirl_dag.main plan --alloc 'vllm:d4t2+megatron:d2p2t2' --json     parse an allocation string
   python -m siirl_dag.main visualize graphs/tiny_grpo_cpu.yaml -o dag.svg       draw it (.svg .png .pdf .dot .mmd .html)
+  python -m siirl_dag.main visualize RUN_DIR --view timeline -o timeline.html   a run traced with --trace
 
 overrides: key.path=value (value typed as YAML), applied before validation; nodes by id:
   nodes.actor_update.params.mini_batch_size=16   data.train_batch_size=64   runtime.backend=local
@@ -49,10 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show where every rank of every mesh runs")
     _add_pipeline_args(plan, required=False)
     plan.add_argument("--alloc", help="parse an allocation string instead of a pipeline")
-    vis = sub.add_parser("visualize", help="draw the pipeline (.svg .png .pdf .dot .mmd .html)")
+    vis = sub.add_parser("visualize", help="draw the pipeline (.svg .png .pdf .dot .mmd .html), or a traced run's timeline")
     _add_pipeline_args(vis)
     vis.add_argument("-o", "--output", required=True, help="output file; the format follows the extension")
-    vis.add_argument("--view", choices=("graph", "placement"), default="graph")
+    vis.add_argument("--view", choices=("graph", "placement", "timeline"), default="graph",
+                     help="timeline: give the run's folder (or its trace.json) instead of a pipeline")
     return parser
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from siirl_dag.main import main
+from siirl_dag.visualize import timeline
 from test_e2e import QUICK, SEPARATE, launch, parsed
 
 ONE_STEP_OFF = ("runtime.schedule=one_step_off", "runtime.staleness=1", *QUICK)
@@ -26,7 +28,15 @@ def test_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):
         assert steps[s]["timing_s/idle/gen"] < steps[s]["timing_s/step"]
         assert steps[s]["actor/grad_norm"] > 0 and steps[s]["timing_s/sync_weights"] > 0
     (line,) = [x for x in res.stderr.splitlines() if x.startswith("[trainer] timeline of the run: ")]
-    check_trace(Path(line.split(": ", 1)[1].split(" (")[0]))
+    trace = Path(line.split(": ", 1)[1].split(" (")[0])
+    check_trace(trace)
+    # drawn: every step's critical path runs through the update and ends with the weight sync
+    assert main(["visualize", str(trace.parent), "--view", "timeline", "-o", str(tmp_path / "timeline.svg")]) == 0
+    steps = timeline.load(trace).steps
+    assert set(steps) == {1, 2, 3, 4}
+    for info in steps.values():
+        names = [s.name for s in info.critical]
+        assert "actor_update" in names and names[-1] == "sync actor_update -> rollout", names
 
 
 def check_trace(path):
@@ -37,14 +47,14 @@ def check_trace(path):
     spans = [dict(e, track=tracks[e["pid"]]) for e in trace if e["ph"] == "X"]
     assert set(tracks.values()) == {"gen", "train", "__compute__", "driver"}
     by = lambda name: [s for s in spans if s["name"] == name]  # noqa: E731
-    assert len(by("actor_update")) == 4 and {s["args"]["step"] for s in by("actor_update")} == {0, 1, 2, 3}
+    assert len(by("actor_update")) == 4 and {s["args"]["step"] for s in by("actor_update")} == {1, 2, 3, 4}
     assert {s["tid"] for s in by("actor_update")} == {"rank 0"} and by("actor_update")[0]["track"] == "train"
     syncs = by("sync actor_update -> rollout")
     assert len(syncs) == 5 and all(s["args"]["bytes"] > 0 for s in syncs)  # at start, after each step
     assert len(by("save checkpoint")) == 1 and len(by("load data")) == 4 and by("validation")
-    # at step 2 (index 1) the next step's rollout ran beside this step's work on the training mesh
-    ahead = next(s for s in by("rollout") if s["args"]["step"] == 2 and not s["args"]["validating"])
-    training = [s for s in spans if s["track"] == "train" and s["args"]["step"] == 1]
+    # at step 2 the next step's rollout ran beside this step's work on the training mesh
+    ahead = next(s for s in by("rollout") if s["args"]["step"] == 3 and not s["args"]["validating"])
+    training = [s for s in spans if s["track"] == "train" and s["args"]["step"] == 2]
     assert any(ahead["ts"] < s["ts"] + s["dur"] and s["ts"] < ahead["ts"] + ahead["dur"] for s in training)
 
 

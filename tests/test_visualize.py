@@ -298,22 +298,33 @@ def test_readme_figure_script(tmp_path):
 # ---- the page in a real browser ---------------------------------------------------------------------------
 
 CHROMIUM = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here, and the set-up could not install it: "
+                                    "apt-get install chromium")
+
+
+def open_in_chromium(page: Path, tmp_path: Path) -> tuple[set, str]:
+    """Open a page headless: the colours of its screenshot and the text of its rendered DOM."""
+    image = pytest.importorskip("PIL.Image")
+    shot = tmp_path / "shot.png"
+    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000"]
+    proc = subprocess.run([*flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), proc.stderr[-2000:]
+    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    return {c for _, c in image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)}, dom
+
+
+def rgb(color: str) -> tuple[int, int, int]:
+    return tuple(int(color[i:i + 2], 16) for i in (1, 3, 5))
 
 
 @needs_dot
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (the project needs none; apt-get install chromium)")
+@needs_chromium
 def test_html_page_renders_in_headless_chromium(tmp_path):
-    image = pytest.importorskip("PIL.Image")
     page = tmp_path / "page.html"
     page.write_bytes(render(pipeline("tiny_grpo_cpu"), "html"))
-    shot = tmp_path / "shot.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1400,1000",
-           page.as_uri()]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert shot.is_file(), proc.stderr[-2000:]
-    colors = {c for _, c in image.open(shot).convert("RGB").getcolors(maxcolors=1 << 20)}
+    colors, dom = open_in_chromium(page, tmp_path)
     for strategy in ("vllm", "megatron", None):  # the inline SVG's boxes were painted
-        fill = STRATEGY_STYLES[strategy].fill
-        assert tuple(int(fill[i:i + 2], 16) for i in (1, 3, 5)) in colors, strategy
+        assert rgb(STRATEGY_STYLES[strategy].fill) in colors, strategy
+    assert all(node in dom for node in pipeline("tiny_grpo_cpu").nodes)

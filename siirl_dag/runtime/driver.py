@@ -298,9 +298,10 @@ class Runtime:
         local = self.backend.name == "local"
         by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
                         for (dp, is_out), call, info in zip(run.ranks, run.calls, infos) if is_out), key=lambda x: x[0])
-        if self.trace is not None:  # a span per rank, on the rank's own clock
+        if self.trace is not None:  # a span per rank, on the rank's own clock; `step` as the metrics number it
+            logged = step if validating else step + 1  # (validation after step k is logged at k)
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):
-                self.trace.span(self._group_of(run.node), f"rank {rank}", run.node, *info["span"], step=step, dp_rank=dp,
+                self.trace.span(self._group_of(run.node), f"rank {rank}", run.node, *info["span"], step=logged, dp_rank=dp,
                                 rows=info["rows"], validating=validating,
                                 weights_version=self.versions.get(run.node, info["weights_version"]))
         shards, tokens, start, keys = [], [], 0, set()
@@ -361,8 +362,8 @@ class Runtime:
         if behind:
             self.sync_weights()
 
-    def sync_weights(self) -> dict:
-        """Bring every `weights_from` consumer up to its trainer's latest version (after a step), each
+    def sync_weights(self, step: int = 0) -> dict:
+        """Bring every `weights_from` consumer up to its trainer's latest version (after `step`), each
         pair along its route (`weight_sync.routes`), through the SyncPath made at its first sync.
 
         Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
@@ -387,7 +388,7 @@ class Runtime:
             self.synced[dst] = self.versions[src]
             self.syncs[dst] += 1
             if self.trace is not None:
-                self.trace.driver(f"sync {src} -> {dst}", began, version=self.versions[src], path=self.routes[dst].path,
+                self.trace.driver(f"sync {src} -> {dst}", began, step=step, version=self.versions[src], path=self.routes[dst].path,
                                   **{k.removeprefix("sync/"): v for k, v in stats.items()})
         return metrics
 

@@ -169,11 +169,11 @@ class Trainer:
         t0 = time.perf_counter()
         epoch = self.loader.state_dict()["epoch"]
 
-        def next_source():
+        def next_source(step: int = self.step + 1):  # the step whose rows these are
             tag, began = f"e{self.loader.state_dict()['epoch']}-", time.time()
             source = _source(self.loader.next_batch(), tag)
             if self.rt.trace is not None:
-                self.rt.trace.driver("load data", began, step=self.step, prompts=source.num_rows)
+                self.rt.trace.driver("load data", began, step=step, prompts=source.num_rows)
             return source
 
         spans = {}
@@ -186,7 +186,7 @@ class Trainer:
             metrics = {}
         spans.update(result.spans)
         metrics.update(result.metrics)
-        metrics.update(self.rt.sync_weights())
+        metrics.update(self.rt.sync_weights(self.step + 1))
         elapsed = time.perf_counter() - t0
         metrics["timing_s/step"] = elapsed
         for mesh in self.pipe.meshes:  # devices waiting for the other side (what one_step_off overlaps)
@@ -218,7 +218,7 @@ class Trainer:
         jobs = [Job(None, self.step, set(self.pipe.nodes) - self.ahead_nodes, given)]
         drain = done == self.total_steps or (t.save_freq > 0 and done % t.save_freq == 0)
         if not drain:
-            jobs.append(Job(next_source(), done, self.ahead_nodes))
+            jobs.append(Job(next_source(done + 1), done, self.ahead_nodes))
         now_synced = dict(rt.synced)
         results = rt.run_jobs(jobs)
         self.ahead = None if drain else (results[1], now_synced)

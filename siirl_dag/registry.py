@@ -74,6 +74,14 @@ DTYPE_OPTIONS: dict[str, str] = {
 }
 
 
+# Each strategy's memory estimate of a mesh it runs (siirl_dag.placement.memory; no torch imported):
+# name -> "module:function(MeshWork) -> MeshMemory".
+MEMORY_ESTIMATES: dict[str, str] = {
+    "vllm": "siirl_dag.strategies.vllm.memory:estimate",
+    "megatron": "siirl_dag.strategies.megatron.memory:estimate",
+}
+
+
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
               check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False):

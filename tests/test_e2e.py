@@ -90,6 +90,9 @@ def test_grpo_through_ray(tmp_path, tiny_model_dir, demo_data, layout):
     assert set(METRICS) <= tensorboard_tags(tmp_path / "tb")
     step2 = history["steps"]["2"]
     assert step2["actor/lr"] > 0 and step2["timing_s/sync_weights"] > 0
+    # each mesh's measured peak (on CPU its processes' resident sets), the plan's estimate printed at start
+    assert all(step2[f"memory/{mesh}/peak_gb"] > 0.1 for mesh in ("gen", "train", "ref"))
+    assert "[run] memory per device (estimate" in res.stderr
     assert ("sync/handoff_s" in step2) == (layout == "colocated"), "colocated meshes hand weights over in-process"
     ckpt = tmp_path / "ckpt" / "global_step_2"
     state = json.loads((ckpt / "trainer_state.json").read_text())

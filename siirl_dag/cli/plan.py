@@ -44,6 +44,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
                           "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh} for n in pipe.nodes.values()},
+                          "memory": pipe.memory.to_json() if pipe.memory else None,
                           "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings]}, indent=2))
         return 0
     for w in pipe.warnings:
@@ -64,4 +65,7 @@ def main(args) -> int:
     if pipe.plan:
         print()
         print(pipe.plan.table())
+    if pipe.memory:
+        print()
+        print("\n".join(pipe.memory.lines()))
     return 0

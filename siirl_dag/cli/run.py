@@ -47,6 +47,8 @@ def main(args) -> int:
         trainer = Trainer(pipe, address=args.address, progress=say)
         log_dir = None if args.verbose else trainer.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
+        if pipe.memory:  # the plan's estimate, beside which the run logs memory/<mesh>/peak_gb
+            say("[run] " + "\n      ".join(pipe.memory.lines()))
         if log_dir:
             say(f"[run] logs of vLLM, Ray, Megatron and transformers: {log_dir}/ (--verbose shows them here)")
         try:

@@ -31,6 +31,8 @@ def summary(pipe: Pipeline) -> str:
     phases = phases_of(pipe)
     if phases:
         lines.append("  " + phases.describe(list(pipe.nodes), pipe.data.train_batch_size))
+    if pipe.memory:
+        lines += ["  " + line for line in pipe.memory.lines()]
     return "\n".join(lines)
 
 

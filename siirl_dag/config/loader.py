@@ -1,7 +1,7 @@
 """`load_pipeline`: YAML + overrides -> a checked, typed, placed `Pipeline`, or every problem at once.
 
 Order: parse (line numbers kept) -> overrides -> ROLL spellings -> JSON Schema (defaults filled) ->
-kinds, strategies and their schemas -> graph -> placement -> batch arithmetic. Later stages run only
+kinds, strategies and their schemas -> graph -> placement -> memory plan -> batch arithmetic. Later stages run only
 when the earlier ones leave data of the expected shape, so one mistake yields one message.
 """
 
@@ -18,6 +18,7 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.graph import build_graph, check_data_flow, check_structure, phase_problems, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
+from siirl_dag.placement.memory import plan_memory
 from siirl_dag.registry import DTYPE_OPTIONS, LORA_STRATEGIES, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
 from siirl_dag.weight_sync.routes import problems as sync_route_problems
 
@@ -346,6 +347,9 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
             problems += pipe.plan.warnings + sync_route_problems(pipe) + _lora_problems(pipe)
         except ConfigError as exc:
             problems += exc.problems
+    if pipe.plan is not None and not _errors(problems):  # what every device must hold, summed where meshes share
+        pipe.memory, found = plan_memory(pipe)
+        problems += found
     if not _errors(problems):
         for node in nodes.values():
             if pipe.kinds[node.id].check:

@@ -18,6 +18,7 @@ from siirl_dag.config.schema import describe, validate
 from siirl_dag.config.yaml_loader import locate
 from siirl_dag.errors import ConfigError, Problem, format_path
 from siirl_dag.graph import phases_of
+from siirl_dag.placement.memory import MemoryPlan
 from siirl_dag.placement.plan import ClusterSpec, Plan
 from siirl_dag.registry import NodeKind
 from siirl_dag.weight_sync.routes import routes_json
@@ -176,6 +177,7 @@ class Pipeline:
     trainer: TrainerSpec
     runtime: RuntimeSpec
     plan: Plan | None = None
+    memory: MemoryPlan | None = None  # GiB per device (placement.memory); None without placement
     warnings: list[Problem] = field(default_factory=list)
     positions: dict = field(default_factory=dict, repr=False)  # key path -> (line, col) in `file`
     touched: dict = field(default_factory=dict, repr=False)  # key path -> the override that set it
@@ -218,7 +220,7 @@ class Pipeline:
             "name": self.name,
             "file": self.file,
             "cluster": {"nodes": self.cluster.nodes, "devices_per_node": self.cluster.devices_per_node,
-                        "device": self.cluster.device},
+                        "device": self.cluster.device, "device_memory_gb": round(self.cluster.memory_gb, 2)},
             "meshes": {m.name: {"alloc": m.alloc, "devices": list(m.devices) if m.devices else None,
                                 "colocate_with": m.colocate_with} for m in self.meshes.values()},
             "nodes": [{"id": n.id, "kind": n.kind, "deps": list(n.deps), "strategy": n.strategy, "mesh": n.mesh,
@@ -226,6 +228,7 @@ class Pipeline:
                        "produces": list(self.produces(n.id)), "options": n.options, "params": n.params}
                       for n in self.nodes.values()],
             "plan": self.plan.to_json() if self.plan else None,
+            "memory": self.memory.to_json() if self.memory else None,
             "weight_sync": routes_json(self),
             "dynamic_sampling": phases.to_json(list(self.nodes)) if (phases := phases_of(self)) else None,
             "warnings": [w.to_json() for w in self.warnings],

@@ -5,6 +5,7 @@ The runtime starts one worker per rank from this; `siirl_dag plan` prints `Plan.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from siirl_dag.errors import Problem
@@ -19,10 +20,21 @@ class ClusterSpec:
     nodes: int
     devices_per_node: int
     device: str = "cuda"  # "cuda" or "cpu"
+    device_memory_gb: float | None = None  # None: the device kind's (memory_gb)
 
     @property
     def total(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def memory_gb(self) -> float:
+        """GiB one device holds: as written; else an H100's 80, or on CPU this machine's memory shared
+        among its rank slots (they all live in it)."""
+        if self.device_memory_gb:
+            return self.device_memory_gb
+        if self.device == "cuda":
+            return 80.0
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / self.devices_per_node
 
     def describe(self) -> str:
         return f"{self.nodes} machine(s) x {self.devices_per_node} {self.device} device(s) = {self.total}"

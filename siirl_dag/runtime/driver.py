@@ -304,6 +304,10 @@ class Runtime:
                 self.trace.span(self._group_of(run.node), f"rank {rank}", run.node, *info["span"], step=logged, dp_rank=dp,
                                 rows=info["rows"], validating=validating,
                                 weights_version=self.versions.get(run.node, info["weights_version"]))
+        mesh = self.pipe.nodes[run.node].mesh
+        if mesh and not validating:  # the mesh's fullest rank in this step (the plan's estimate is printed at start)
+            key = f"memory/{mesh}/peak_gb"
+            result.metrics[key] = max([result.metrics.get(key, 0.0)] + [info["peak_gb"] for info in infos])
         shards, tokens, start, keys = [], [], 0, set()
         for _, wire, info in by_dp:
             shards.append(Shard(wire, start, start + info["rows"]))

@@ -8,6 +8,7 @@ nodes bound to the same mesh and model share one engine (old log-probs come from
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
 import traceback
@@ -128,7 +129,8 @@ class RankWorker:
             raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(traceback.format_exc())) from None
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,
                 "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank,
-                "span": (began, time.time()), "weights_version": getattr(ctx.engine, "weights_version", None)}
+                "span": (began, time.time()), "weights_version": getattr(ctx.engine, "weights_version", None),
+                "peak_gb": _peak_gb()}
         return (result.to_wire() if role.output_rank else None), info
 
     def _with_log(self, detail: str) -> str:
@@ -244,3 +246,15 @@ def _checked(role: RoleSpec, batch: Batch, out) -> Batch:
         raise ValueError(f"node '{role.node.id}' returned {out.num_rows} rows for {batch.num_rows} input rows; "
                          "a node that changes the row count must re-emit its input keys (ctx.expand)")
     return out
+
+
+def _peak_gb() -> float:
+    """This rank's peak memory in GiB: on a GPU the allocator's since the last reading (then reset, so
+    each node reads its own); on CPU the process's peak resident set since it started (no finer one)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import MiniBatchTotals, RankContext, Strategy
-from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, lora, offload, options, optim
+from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, lora, memory, offload, options, optim
 from siirl_dag.strategies.megatron import model as model_lib
 from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
@@ -397,6 +397,10 @@ class MegatronEngine(Strategy):
     def load_checkpoint(self, directory: str, load_optimizer: bool = True) -> None:
         state = self._trainable() if load_optimizer and checkpoint.has_optimizer(directory) else self.train_state
         checkpoint.load(self.chunks, state, directory, adapters_only=self.lora is not None)
+
+    def memory_gib(self) -> dict[str, float]:
+        """What this rank holds in weights, gradients and optimizer state (to check the memory plan)."""
+        return memory.measured(self.chunks, self.train_state)
 
     # ------------------------------------------------------------- offload
     def offload(self) -> None:

@@ -1,3 +1,3 @@
 """Built-in node kinds. Importing this package registers them (one line per kind)."""
 
-from nodes import actor_update, advantage, critic, filter_groups, logprob, reward, rollout  # noqa: F401
+from nodes import actor_update, advantage, agent_rollout, critic, filter_groups, logprob, reward, rollout  # noqa: F401

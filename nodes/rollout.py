@@ -1,7 +1,7 @@
 """rollout: sample n responses per prompt with the vLLM strategy (greedy, one each, in validation)."""
 
 from siirl_dag.errors import Problem
-from siirl_dag.registry import node_kind
+from siirl_dag.registry import node_kind, resolve_tool
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
             "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version")
@@ -30,15 +30,17 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
     from siirl_dag.data.row_cache import folder_identity, measured
 
     model, chat = pipeline.models[node.model], node.options["chat_template"]
+    tools = [resolve_tool(ref).spec() for ref in node.params.get("tools", [])]  # an agent's, shown in the prompt
     tokenizer_files = folder_identity(model.tokenizer_path)
     what = None if tokenizer_files is None else \
-        {"count": "prompt tokens", "tokenizer": tokenizer_files, "chat_template": chat, "transformers": version("transformers")}
+        {"count": "prompt tokens", "tokenizer": tokenizer_files, "chat_template": chat, "transformers": version("transformers"),
+         **({"tools": tools} if tools else {})}
 
     def count(rows):
         from siirl_dag.strategies.rollout_layout import prompt_token_ids  # torch, as the tokenizer: only to count
 
         tokenizer = model.load_tokenizer()
-        return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat)) for row in rows]
+        return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat, tools)) for row in rows]
 
     return measured(data, what, count, f"prompt tokens for node '{node.id}'")
 

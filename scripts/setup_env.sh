@@ -28,8 +28,9 @@ if [ "$FLAVOUR" = cpu ]; then
   $PIP uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 
-# 4. Debian packages the pictures use, where this user may install them (optional: the rest works without):
-#    Graphviz's `dot` renders `visualize` to SVG/PNG; Chromium lets the tests open the HTML pages headless.
+# 4. Debian packages, where this user may install them (optional: the rest works without): Graphviz's `dot`
+#    renders `visualize` to SVG/PNG; Chromium lets the tests open the HTML pages headless; bubblewrap is
+#    the sandbox of the agents' `python` tool (without it the tool is refused at validate).
 apt_install() {  # PACKAGE COMMAND
   command -v "$2" >/dev/null 2>&1 && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -41,4 +42,5 @@ apt_install() {  # PACKAGE COMMAND
 }
 apt_install graphviz dot "SVG/PNG pictures"
 apt_install chromium chromium "the browser tests of the HTML pages"
+apt_install bubblewrap bwrap "the python tool of agent rollouts"
 echo "[setup] done"

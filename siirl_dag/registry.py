@@ -1,4 +1,4 @@
-"""Registries of node kinds and strategies: adding one is one new file plus one line.
+"""Registries of node kinds, strategies and tools: adding one is one new file plus one line.
 
 A node kind is a function that runs one node on a batch, decorated with `@node_kind(...)`, which
 records its data contract (keys consumed and produced), the strategies it can run on, and the
@@ -125,18 +125,7 @@ def resolve_kind(ref: str) -> NodeKind:
     kinds = registered_kinds()
     if ref in kinds:
         return kinds[ref]
-    module_name, colon, attr = ref.partition(":")
-    if not (colon and module_name and attr):
-        raise LookupError(f"unknown node kind '{ref}'; expected one of: {', '.join(sorted(kinds))}, or module:function")
-    try:
-        fn = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:
-        raise LookupError(f"cannot import module '{module_name}' of kind '{ref}' ({type(exc).__name__}: {exc}); "
-                          "expected an importable module") from None
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise LookupError(f"module '{module_name}' has no '{attr}' (kind '{ref}')")
+    fn = _user_ref(ref, "node kind", kinds)
     kind = getattr(fn, "node_kind", None)
     if not isinstance(kind, NodeKind):
         raise LookupError(f"'{ref}' is not a node kind; expected a function decorated with "
@@ -144,7 +133,75 @@ def resolve_kind(ref: str) -> NodeKind:
     return kind
 
 
+def _user_ref(ref: str, what: str, known: dict) -> Any:
+    """The object a user's `module:attr` names; LookupError fit for the user otherwise. Importing the
+    module runs the user's code, so whatever that raises (SyntaxError, sys.exit, ...) becomes one too."""
+    module_name, colon, attr = ref.partition(":")
+    if not (colon and module_name and attr):
+        raise LookupError(f"unknown {what} '{ref}'; expected one of: {', '.join(sorted(known))}, or module:function")
+    try:
+        found = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:
+        raise LookupError(f"cannot import module '{module_name}' of {what} '{ref}' ({type(exc).__name__}: {exc}); "
+                          "expected an importable module") from None
+    for part in attr.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            raise LookupError(f"module '{module_name}' has no '{attr}' ({what} '{ref}')")
+    return found
+
+
 def import_ref(ref: str) -> Any:
     """Import `module:attr` (a strategy class from STRATEGIES, for instance)."""
     module_name, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module_name), attr)
+
+
+# ---- tools an agent rollout may call ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tool:
+    """A function an agent's model calls by name with JSON arguments, answering with a string."""
+
+    name: str
+    fn: Callable[..., str]
+    description: str
+    parameters: dict  # JSON Schema of the arguments (the OpenAI tool format's `parameters`)
+    available: Callable[[], str | None] | None = None  # why it cannot run on this machine, or None
+
+    def spec(self) -> dict:
+        """As the chat template shows it to the model (`tools=[...]`)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+_TOOLS: dict[str, Tool] = {}
+
+
+def tool(name: str | None = None, *, parameters: dict, description: str = "",
+         available: Callable[[], str | None] | None = None):
+    """Decorator registering a tool. With name=None the function is only annotated (a user's tool,
+    named in the YAML as `module:function` and called by the model by the function's name)."""
+
+    def register(fn: Callable[..., str]) -> Callable[..., str]:
+        fn.tool = Tool(name or fn.__name__, fn, description or (fn.__doc__ or "").strip().split("\n")[0],
+                       parameters, available)
+        if name is not None:
+            _TOOLS[name] = fn.tool
+        return fn
+
+    return register
+
+
+def resolve_tool(ref: str) -> Tool:
+    """A built-in tool's name, or `module:function` for a function decorated with @tool; LookupError
+    with a message fit for the user otherwise."""
+    importlib.import_module("nodes.tools")
+    if ref in _TOOLS:
+        return _TOOLS[ref]
+    fn = _user_ref(ref, "tool", _TOOLS)
+    found = getattr(fn, "tool", None)
+    if not isinstance(found, Tool):
+        raise LookupError(f"'{ref}' is not a tool; expected a function decorated with "
+                          "@siirl_dag.registry.tool(parameters={...JSON Schema...})")
+    return found

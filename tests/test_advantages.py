@@ -114,3 +114,12 @@ def test_batch_metrics_with_critic():
     # residual r - v = [1, -1, 0] (var 1) against var(returns [1, 0, 2]) = 1 -> 1 - 1/1 = 0
     assert m["critic/vf_explained_var"] == pytest.approx(0.0, abs=1e-4)
     assert "prompt_length/mean" not in m and "critic/score/mean" not in m
+
+
+def test_returns_carry_across_a_masked_span():
+    """An agent's response: model tokens, a tool's answer (masked), model tokens; the final reward
+    reaches the first turn's tokens as GAE's would, and the tool's tokens get none."""
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    assert discounted_returns(rewards, mask, 0.5).tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0, 0.0]]

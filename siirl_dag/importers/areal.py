@@ -1,0 +1,213 @@
+"""AReaL: an experiment YAML -> a pipeline.
+
+The devices come from the per-engine `backend` strings (`rollout.backend: sglang:d4t2`,
+`actor.backend: fsdp:d8`; an empty `critic.backend` / `ref.backend` inherits the actor's and shares
+its devices) or the legacy `allocation_mode` (`sglang:d4+megatron:d4`). The strings are AReaL's
+allocation syntax, which ours extends, so they carry over as written; SGLang becomes vLLM and FSDP or
+Archon becomes Megatron on the same devices. AReaL is asynchronous: `max_head_offpolicyness: N`
+becomes `runtime.schedule: one_step_off` with `staleness: N`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from siirl_dag.errors import ConfigError
+from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, number, strategy_options
+from siirl_dag.importers.source import Source
+from siirl_dag.placement.allocation import parse_allocation
+
+OURS = {"sglang": "vllm", "vllm": "vllm", "fsdp": "megatron", "megatron": "megatron", "archon": "megatron"}
+INFERENCE = ("sglang", "vllm")
+DECAY = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
+NO_COUNTERPART = {"trial_name": "a run is named by trainer.experiment_name", "scheduler": "Ray places the meshes",
+                  "cluster.fileroot": "runs write under trainer.default_local_dir", "cluster.name_resolve": "Ray finds the workers",
+                  "perf_tracer": "trace a run with --trace", "stats_logger.wandb": "console and tensorboard loggers only",
+                  "launcher": "Ray starts the workers", "tokenizer_path": "the tokenizer is the model's",
+                  "enable_offload": "offload is per engine (param_offload, sleep_level)"}
+BOOKKEEPING = ("saver", "recover", "evaluator", "stats_logger", "train_dataset", "valid_dataset")
+PER_ENGINE_NOISE = ("experiment_name", "trial_name", "scheduling_spec", "init_from_scratch", "disable_dropout", "fileroot",
+                    "tokenizer_path", "scheduling_strategy", "path", "dtype", "optimizer", "mb_spec")
+
+
+def read(path: str | Path) -> Source:
+    return Source.from_yaml(path)
+
+
+def convert(src: Source) -> Draft:
+    for key, why in NO_COUNTERPART.items():
+        src.drop_under(key, why)
+    meshes, world, server = _meshes(src)
+    per_node = src.take("cluster.n_gpus_per_node", 8, kind=int)
+    nodes = src.take("cluster.n_nodes", -(-world // per_node), kind=int)
+    batch = src.take("train_dataset.batch_size", kind=int)
+    n = src.take("gconfig.n_samples", 1, kind=int)
+    kl = number(src.take("actor.kl_ctl", 0.0))
+    if not kl:
+        meshes.pop("ref", None)
+        src.drop_under("ref", "no reference log-probs are needed (actor.kl_ctl is 0)")
+    optim = "actor.optimizer"
+    betas = [number(src.take(f"{optim}.beta1", 0.9)), number(src.take(f"{optim}.beta2", 0.999))]
+    draft = Draft(
+        name=str(src.take("experiment_name", Path(src.file).stem)).replace("_", "-"),
+        cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
+        policy={"path": src.take("actor.path", kind=str), "dtype": src.take("actor.dtype", kind=str)},
+        data={"train_files": src.take("train_dataset.path"), "val_files": src.take("valid_dataset.path"),
+              "train_batch_size": batch, "val_batch_size": src.take("valid_dataset.batch_size", kind=int),
+              "max_prompt_length": src.take("train_dataset.max_length", kind=int),
+              "max_response_length": src.take("gconfig.max_new_tokens", kind=int), "shuffle": src.take("train_dataset.shuffle")},
+        meshes=meshes,
+        rollout={"n": n, "temperature": number(src.take("gconfig.temperature")), "top_p": number(src.take("gconfig.top_p")),
+                 "top_k": src.take("gconfig.top_k", kind=int), "max_tokens": src.keys.get("gconfig.max_new_tokens", (None,))[0]},
+        reward={"kl_coef": kl or None},
+        actor={"lr": number(src.take(f"{optim}.lr")), "weight_decay": number(src.take(f"{optim}.weight_decay")),
+               "betas": betas if betas != [0.9, 0.999] else None, "eps": number(src.take(f"{optim}.eps")),
+               "clip_grad": number(src.take(f"{optim}.gradient_clipping")),
+               "lr_decay_style": DECAY.get(src.take(f"{optim}.lr_scheduler_type")),
+               "dynamic_micro_batch_tokens": src.take("actor.mb_spec.max_tokens_per_mb", kind=int)},
+        trainer={"total_epochs": src.take("total_train_epochs", kind=int), "seed": src.take("seed", kind=int),
+                 "experiment_name": src.keys.get("experiment_name", (None,))[0],
+                 "save_freq": src.take("saver.freq_steps", kind=int), "test_freq": src.take("evaluator.freq_steps", kind=int),
+                 "resume_mode": {"disabled": "disable"}.get(src.take("recover.mode"), "auto")},
+    )
+    src.take(f"{optim}.type")
+    draft.logprob = {"dynamic_micro_batch_tokens": draft.actor["dynamic_micro_batch_tokens"]}
+    if "ref" in meshes:
+        draft.ref = {"dynamic_micro_batch_tokens": src.take("ref.mb_spec.max_tokens_per_mb", kind=int)}
+    draft.actor |= _megatron_options(src, meshes)
+    if src.take("actor.gradient_checkpointing", False, kind=bool):
+        draft.actor |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    _loss(src, draft, batch, n)
+    _advantage(src, draft, n)
+    _rollout_engine(src, draft, server)
+    _asynchrony(src, draft)
+    for key, part in (("train_dataset.path", "train_files"), ("valid_dataset.path", "val_files")):
+        if not all_parquet(draft.data.get(part)):
+            src.remark(key, PARQUET_NOTE)
+    for role in ("actor", "ref", "critic"):
+        for key in PER_ENGINE_NOISE:
+            src.drop_under(f"{role}.{key}", "AReaL's per-engine bookkeeping")
+    for key in BOOKKEEPING:
+        src.drop_under(key, "AReaL's saving, recovery, evaluation and loading settings; see trainer.save_freq / test_freq")
+    if src.take("gconfig.min_new_tokens", 0) != 0 or src.take("gconfig.greedy", False) is not False:
+        src.problem("gconfig.greedy", "greedy or a minimum length has no counterpart; expected greedy: false and "
+                                      "min_new_tokens: 0 (sampling)")
+    src.raise_problems()
+    return draft
+
+
+def _meshes(src: Source) -> tuple[dict, int, str]:
+    """gen, actor and (colocated with the actor) ref / critic from the backend strings; their devices
+    and the source's inference backend."""
+    strings = {role: src.take(f"{role}.backend", "", kind=str) for role in ("rollout", "actor", "ref", "critic")}
+    legacy = src.take("allocation_mode", "", kind=str)
+    if legacy and not strings["actor"]:
+        components = _parse(src, "allocation_mode", legacy)
+        strings["rollout"] = next((c for c in components if c.split(":")[0] in INFERENCE), "")
+        strings["actor"] = next((c for c in components if c.split(":")[0] not in INFERENCE), "")
+    elif legacy:
+        src.drop("allocation_mode", "the per-engine backend strings are used (the legacy field is ignored, as in AReaL)")
+    meshes, world = {}, 0
+    for role, name in (("rollout", "gen"), ("actor", "actor")):
+        if not strings[role]:
+            src.problem(f"{role}.backend", f"no {role} backend; expected e.g. {'sglang:d4t2' if role == 'rollout' else 'fsdp:d8'}")
+            continue
+        meshes[name], size = _ours(src, f"{role}.backend" if src.has(f"{role}.backend") else "allocation_mode", strings[role])
+        world += size
+    for role in ("ref", "critic"):
+        if src.under(role) and "actor" in meshes:
+            own = strings[role] and _ours(src, f"{role}.backend", strings[role])[0]
+            meshes[role] = {"alloc": own or meshes["actor"], "colocate_with": "actor"}
+    return meshes, world, strings["rollout"].split(":")[0]
+
+
+def _parse(src: Source, key: str, text: str) -> list[str]:
+    """Components of an allocation string as written, or a problem at the key."""
+    try:
+        components = parse_allocation(text)
+    except ConfigError as exc:
+        src.problem(key, "; ".join(p.message for p in exc.problems))
+        return []
+    return [c.text for c in components]
+
+
+def _ours(src: Source, key: str, text: str) -> tuple[str, int]:
+    """An AReaL component in our spelling (backend renamed, dims as written), and its device count."""
+    parsed = parse_allocation(text) if _parse(src, key, text) else []
+    if len(parsed) != 1:
+        if parsed:
+            src.problem(key, f"'{text}' has {len(parsed)} components; expected one engine's backend string")
+        return text, 0
+    backend, body = parsed[0].backend, text.split(":", 1)[1]
+    if OURS.get(backend) != backend:
+        src.remark(key, f"{backend} becomes {OURS.get(backend, backend)} here, on the same devices")
+    return f"{OURS.get(backend, backend)}:{body}", parsed[0].dims.world_size
+
+
+def _megatron_options(src: Source, meshes: dict) -> dict:
+    """actor.megatron.* that are options here; sequence parallel on with tensor parallel, as AReaL does."""
+    options = {"deterministic": src.take("actor.megatron.use_deterministic_algorithms", kind=bool)}
+    options |= strategy_options(src, "actor.megatron", "megatron")
+    try:
+        tp = parse_allocation(meshes["actor"])[0].dims.tp if "actor" in meshes else 1
+    except ConfigError:  # already reported at the source's backend string
+        tp = 1
+    if tp > 1:
+        options.setdefault("sequence_parallel", True)
+    return options
+
+
+def _loss(src: Source, draft: Draft, batch: int | None, n: int) -> None:
+    minibatches = src.take("actor.ppo_n_minibatches", 1, kind=int)
+    if batch and batch % minibatches:
+        src.problem("actor.ppo_n_minibatches", f"{batch} prompts do not split into {minibatches} mini batches; "
+                    f"expected a divisor of train_dataset.batch_size")
+    clip = number(src.take("actor.eps_clip"))
+    draft.actor_params = {"mini_batch_size": max((batch or minibatches) // minibatches, 1), "clip_ratio_low": clip,
+                          "clip_ratio_high": number(src.take("actor.eps_clip_higher", clip)),
+                          "temperature": number(src.take("actor.temperature"))}
+    if src.take("actor.use_decoupled_loss", False, kind=bool):
+        cap = number(src.take("actor.behav_imp_weight_cap"))
+        draft.actor_params |= {"rollout_is": "token", "rollout_is_threshold": cap}
+        src.remark("actor.use_decoupled_loss", "becomes rollout_is: token (the loss weighed by truncated importance "
+                                               "weights of the trainer's old policy over the rollout's)")
+    src.take("actor.recompute_logprob")  # old log-probs are always recomputed by the trainer here
+    for key in ("actor.group_size", "actor.max_new_tokens"):
+        src.take(key)
+    for key in ("actor.reward_scaling", "actor.reward_bias"):
+        src.drop(key, "rewards are the scorer's here, unscaled")
+
+
+def _advantage(src: Source, draft: Draft, n: int) -> None:
+    """Group reward normalization is GRPO; with a critic, GAE."""
+    mean, std = src.take("actor.reward_norm.mean_level"), src.take("actor.reward_norm.std_level")
+    src.take("actor.reward_norm.group_size")
+    src.drop_under("actor.adv_norm", "advantages are normalized by the estimator (grpo: per group; gae: per batch)")
+    if "critic" in draft.meshes:
+        draft.advantage = {"estimator": "gae", "gamma": number(src.take("actor.discount")), "lam": number(src.take("actor.gae_lambda"))}
+        draft.critic_model = {"path": src.take("critic.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
+        draft.critic = {"lr": number(src.take("critic.optimizer.lr"))}
+        draft.critic_params = {"mini_batch_size": draft.actor_params["mini_batch_size"],
+                               "cliprange_value": number(src.take("critic.value_eps_clip"))}
+        return
+    draft.advantage = {"estimator": "grpo", "norm_by_std": None if std == "group" else False}
+    if mean != "group":
+        src.remark("actor.reward_norm.mean_level", f"{mean} becomes GRPO's per-group baseline")
+
+
+def _rollout_engine(src: Source, draft: Draft, server: str) -> None:
+    """The inference server's memory share and context length, from its section (sglang or vllm)."""
+    share, length = (("vllm.gpu_memory_utilization", "vllm.max_model_len") if server == "vllm" else
+                     ("sglang.mem_fraction_static", "sglang.context_length"))
+    draft.rollout |= {"gpu_memory_utilization": number(src.take(share)), "max_model_len": src.take(length, kind=int)}
+    src.drop_under("sglang", "sglang's settings; rollouts run on vLLM here")
+    src.drop_under("vllm", "set on the rollout node's options")
+
+
+def _asynchrony(src: Source, draft: Draft) -> None:
+    stale = src.take("rollout.max_head_offpolicyness", 0, kind=int)
+    if stale:
+        draft.runtime = {"schedule": "one_step_off", "staleness": stale}
+        src.remark("rollout.max_head_offpolicyness", f"becomes one_step_off with staleness {stale}: the next step's "
+                                                     "rollout runs while this one trains (samples one version old)")
+    src.drop_under("rollout", "AReaL's rollout controller; the rollout node's options cover generation")

@@ -1,0 +1,120 @@
+"""The pipeline every importer writes: the RL step of verl, siiRL, ROLL and AReaL as one DAG.
+
+rollout -> reward -> (critic values) -> advantage, old and reference log-probs beside them, then
+the (critic and) actor updates; weights flow actor_update -> rollout. Importers fill a `Draft`
+with what the source says; `document()` lays it out as a pipeline YAML would be written by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from siirl_dag.config import schema
+from siirl_dag.importers.source import Source
+
+POLICY, CRITIC = "policy", "critic"
+
+
+def number(value: Any) -> Any:
+    """'1e-6' (a string to YAML 1.1, a float to Python and Hydra) as a float; anything else as is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def allocation(backend: str, d: int, t: int = 1, p: int = 1, c: int = 1, e: int = 1, etp: int = 1) -> str:
+    """An allocation string, sizes of 1 (other than d) left out. Experts split by tensor parallel too
+    (etp > 1, megatron-core's default etp = t in verl and ROLL) need MoE folding to say so."""
+    dims = "".join(f"{k}{v}" for k, v in (("t", t), ("p", p), ("c", c)) if v > 1)
+    if e > 1 and etp > 1:
+        return f"{backend}:(attn:d{d}{dims}|ffn:t{etp}" + (f"p{p}" if p > 1 else "") + f"e{e})"
+    return f"{backend}:d{d}{dims}" + (f"e{e}" if e > 1 else "")
+
+
+PARQUET_NOTE = "data files are read as parquet here: convert them (pyarrow, or the datasets library's to_parquet)"
+
+
+def all_parquet(files: Any) -> bool:
+    return all(str(f).endswith(".parquet") for f in ([files] if isinstance(files, str) else files or []))
+
+
+def strategy_options(src: Source, prefix: str, strategy: str, exclude: tuple[str, ...] = ()) -> dict:
+    """The keys under `prefix` that are options of `strategy` here, carried as written."""
+    known = set(schema.load_schema(f"strategies/{strategy}.schema.json")["properties"]) - set(exclude)
+    return {key: src.take(f"{prefix}.{key}") for key in sorted(known) if src.has(f"{prefix}.{key}")}
+
+
+def drop_none(values: dict) -> dict:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+@dataclass
+class Draft:
+    """The parts of an RL pipeline, as the importer read them (None / empty: the engine's default)."""
+
+    name: str
+    cluster: dict
+    policy: dict
+    data: dict
+    meshes: dict[str, Any]  # gen, actor, and ref / critic when used
+    rollout: dict = field(default_factory=dict)
+    reward: dict = field(default_factory=dict)
+    advantage: dict = field(default_factory=dict)
+    logprob: dict = field(default_factory=dict)  # old log-prob options (on the actor's mesh)
+    ref: dict = field(default_factory=dict)
+    actor: dict = field(default_factory=dict)  # actor_update options
+    actor_params: dict = field(default_factory=dict)
+    critic_model: dict | None = None
+    critic: dict = field(default_factory=dict)
+    critic_params: dict = field(default_factory=dict)
+    trainer: dict = field(default_factory=dict)
+    runtime: dict = field(default_factory=dict)
+
+    def one_micro_batch(self) -> int | None:
+        """Old log-probs and the actor update share one engine and so one micro_batch_size (the
+        training one); returns a different log-prob value the source gave, which is not carried."""
+        mine = self.logprob.get("micro_batch_size")
+        if mine is None or self.actor.get("micro_batch_size") in (None, mine):
+            return None
+        del self.logprob["micro_batch_size"]
+        return mine
+
+    def document(self) -> dict:
+        """The pipeline as a plain document, keys in the order a person writes them."""
+        uses_ref = "ref" in self.meshes
+        uses_critic = self.critic_model is not None
+        models = {POLICY: drop_none(self.policy)} | ({CRITIC: drop_none(self.critic_model)} if uses_critic else {})
+        nodes = [_node("rollout", "rollout", [], mesh="gen", model=POLICY, weights_from="actor_update",
+                       options=self.rollout),
+                 _node("reward", "reward", ["rollout"], params=self.reward)]
+        if uses_critic:
+            nodes.append(_node("values", "critic_value", ["rollout"], mesh="critic", model=CRITIC,
+                               options=self.critic | {"value_head": True}))
+        nodes += [_node("advantage", "advantage", ["reward"] + (["values"] if uses_critic else []), params=self.advantage),
+                  _node("old_logprob", "logprob", ["rollout"], mesh="actor", model=POLICY, options=self.logprob,
+                        params={"output": "old_logprobs"})]
+        if uses_ref:
+            nodes.append(_node("ref_logprob", "logprob", ["rollout"], mesh="ref", model=POLICY, options=self.ref,
+                               params={"output": "ref_logprobs"}))
+        if uses_critic:
+            nodes.append(_node("critic_update", "critic_update", ["advantage"], mesh="critic", model=CRITIC,
+                               params=self.critic_params))
+        nodes.append(_node("actor_update", "actor_update",
+                           ["advantage", "old_logprob"] + (["ref_logprob"] if uses_ref else []),
+                           mesh="actor", model=POLICY, options=self.actor, params=self.actor_params))
+        doc = {"name": self.name, "cluster": self.cluster, "models": models, "data": drop_none(self.data),
+               "meshes": self.meshes, "nodes": nodes, "trainer": drop_none(self.trainer)}
+        return doc | ({"runtime": self.runtime} if self.runtime else {})
+
+
+def _node(node_id: str, kind: str, deps: list[str], **fields) -> dict:
+    node = {"id": node_id, "kind": kind} | ({"deps": deps} if deps else {})
+    for key, value in fields.items():
+        value = drop_none(value) if isinstance(value, dict) else value
+        if value:
+            node[key] = value
+    return node

@@ -1,0 +1,153 @@
+"""A peer's configuration as dotted keys with their lines, and what an importer makes of it.
+
+Importers `take` each key they carry over; `dropped` names a key with the reason it has no
+counterpart; whatever is neither taken nor dropped is listed by `leftovers()`, so nothing is
+silently lost. Problems (a size that does not divide, a key of the wrong type) name FILE:LINE.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from siirl_dag.config.yaml_loader import load_yaml
+from siirl_dag.errors import ConfigError, Problem
+
+_MISSING = object()
+
+
+@dataclass
+class Left:
+    """A source key not carried over, with why (empty: the importer does not know it)."""
+
+    key: str
+    value: Any
+    line: int | None
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.key}={_show(self.value)}" + (f" ({self.why})" if self.why else " (no counterpart known)")
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass
+class Source:
+    """Flat `a.b.c -> (value, line)` of one source file."""
+
+    file: str
+    keys: dict[str, tuple[Any, int | None]]
+    taken: set[str] = field(default_factory=set)
+    notes: dict[str, str] = field(default_factory=dict)
+    remarks: list[Left] = field(default_factory=list)  # carried over, but not exactly
+    problems: list[Problem] = field(default_factory=list)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Source:
+        """A YAML file, flattened; a file that is not a mapping is refused at its line."""
+        doc, positions = load_yaml(path)
+        if not isinstance(doc, dict):
+            raise ConfigError(Problem((), "expected a YAML mapping of configuration keys", file=str(path), line=1))
+        flat: dict[str, tuple[Any, int | None]] = {}
+        _flatten(doc, (), positions, flat)
+        resolve_references(flat)
+        return cls(str(path), flat)
+
+    def has(self, key: str) -> bool:
+        return key in self.keys
+
+    def line(self, key: str) -> int | None:
+        return self.keys.get(key, (None, None))[1]
+
+    def take(self, key: str, default: Any = None, *, kind: type | tuple[type, ...] | None = None) -> Any:
+        """The value at `key` (marked as carried over), else `default`; a value not of `kind` is a problem."""
+        value, _ = self.keys.get(key, (_MISSING, None))
+        if value is _MISSING or value is None:
+            self.taken.add(key)
+            return default
+        self.taken.add(key)
+        if kind is not None and (not isinstance(value, kind) or (isinstance(value, bool) and bool not in _tuple(kind))):
+            names = " or ".join(k.__name__ for k in _tuple(kind))
+            self.problem(key, f"{value!r} is not a {names}; expected a {names}")
+            return default
+        return value
+
+    def drop(self, key: str, why: str) -> None:
+        """Mark a present key as not carried over, for a reason shown to the user."""
+        if key in self.keys and key not in self.taken:
+            self.notes[key] = why
+
+    def drop_under(self, prefix: str, why: str) -> None:
+        for key in self.under(prefix):
+            self.drop(key, why)
+
+    def remark(self, key: str, why: str) -> None:
+        """A key carried over with a difference the user should know about."""
+        value, line = self.keys.get(key, (None, None))
+        self.remarks.append(Left(key, value, line, why))
+
+    def under(self, prefix: str) -> list[str]:
+        return [k for k in self.keys if k == prefix or k.startswith(prefix + ".")]
+
+    def problem(self, key: str, message: str) -> None:
+        self.problems.append(Problem((key,), message, file=self.file, line=self.line(key)))
+
+    def leftovers(self) -> list[Left]:
+        """Keys neither taken nor dropped silently: each with its value, line and reason."""
+        return [Left(k, v, line, self.notes.get(k, "")) for k, (v, line) in self.keys.items() if k not in self.taken]
+
+    def raise_problems(self) -> None:
+        if self.problems:
+            raise ConfigError(self.problems)
+
+
+def _tuple(kind) -> tuple:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _flatten(value: Any, path: tuple, positions: dict, out: dict) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, path + (k,), positions, out)
+        return
+    pos = positions.get(path)
+    out[".".join(str(p) for p in path)] = (value, pos[0] if pos else None)
+
+
+_REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+
+
+def resolve_references(keys: dict[str, tuple[Any, int | None]]) -> None:
+    """OmegaConf's `${a.b}` (AReaL, ROLL) replaced by the value at a.b, in place: a whole-value
+    reference keeps its type, one inside text is substituted as text; resolvers (`${oc.env:X}`) and
+    unknown keys stay as written (they are then reported with the key)."""
+    for _ in range(8):  # chains of references; a cycle stays unresolved
+        changed = False
+        for key, (value, line) in keys.items():
+            if not isinstance(value, str) or "${" not in value:
+                continue
+            whole = _REF.fullmatch(value)
+            if whole and whole.group(1) in keys:
+                new = keys[whole.group(1)][0]
+            else:
+                new = _REF.sub(lambda m: str(keys[m.group(1)][0]) if m.group(1) in keys else m.group(0), value)
+            if new != value:
+                keys[key], changed = (new, line), True
+        if not changed:
+            return
+
+
+@dataclass
+class Imported:
+    """A pipeline document (plain data, written as YAML) and the source keys it does not carry."""
+
+    source: Source
+    peer: str
+    pipeline: dict
+    left: list[Left]
+    remarks: list[Left]

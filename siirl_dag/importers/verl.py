@@ -1,0 +1,214 @@
+"""verl and siiRL (which keeps verl's keys): Hydra overrides -> a pipeline.
+
+verl runs actor, rollout and reference on the same devices (its hybrid engine): here they are
+three colocated meshes over all `trainer.nnodes x trainer.n_gpus_per_node` devices, the actor's
+and reference's Megatron sizes from `*.megatron.*`, the rollout's tensor parallel from
+`rollout.tensor_model_parallel_size`, data parallel what is left. Batch sizes keep verl's
+meaning: `ppo_mini_batch_size` counts prompts before `rollout.n` (as our `mini_batch_size`), the
+`*_per_gpu` micro batches count samples per data-parallel rank (as our `micro_batch_size`); the
+deprecated global micro batch sizes are divided by the data-parallel size, as verl does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from siirl_dag.importers.draft import Draft, allocation, number
+from siirl_dag.importers.shell_script import read_script
+from siirl_dag.importers.source import Source
+
+A = "actor_rollout_ref"
+MEGATRON_SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
+                  "e": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
+# source key (under a prefix) -> our option name, carried as written
+ACTOR_OPTIONS = {"megatron.sequence_parallel": "sequence_parallel", "megatron.use_distributed_optimizer": "use_distributed_optimizer",
+                 "megatron.param_offload": "param_offload", "megatron.grad_offload": "grad_offload",
+                 "megatron.optimizer_offload": "optimizer_offload",
+                 "megatron.virtual_pipeline_model_parallel_size": "virtual_pipeline_model_parallel_size",
+                 "optim.lr": "lr", "optim.weight_decay": "weight_decay", "optim.lr_warmup_steps": "lr_warmup_steps",
+                 "optim.min_lr": "min_lr", "optim.clip_grad": "clip_grad", "grad_clip": "clip_grad",
+                 "ppo_micro_batch_size_per_gpu": "micro_batch_size"}
+ACTOR_PARAMS = {"ppo_mini_batch_size": "mini_batch_size", "ppo_epochs": "epochs", "clip_ratio_low": "clip_ratio_low",
+                "clip_ratio_high": "clip_ratio_high", "clip_ratio_c": "clip_ratio_c", "loss_agg_mode": "loss_agg_mode",
+                "entropy_coeff": "entropy_coeff", "use_kl_loss": "use_kl_loss", "kl_loss_coef": "kl_loss_coef",
+                "kl_loss_type": "kl_loss_type", "policy_loss.loss_mode": "policy_loss"}
+ROLLOUT_OPTIONS = {"n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "gpu_memory_utilization": "gpu_memory_utilization", "enforce_eager": "enforce_eager",
+                   "max_num_seqs": "max_num_seqs", "max_model_len": "max_model_len",
+                   "enable_prefix_caching": "enable_prefix_caching", "val_kwargs.temperature": "val_temperature"}
+DATA = ("train_files", "val_files", "prompt_key", "train_batch_size", "val_batch_size", "max_prompt_length",
+        "max_response_length", "filter_overlong_prompts", "shuffle", "seed")
+TRAINER = {"total_epochs": "total_epochs", "total_training_steps": "total_steps", "test_freq": "test_freq",
+           "save_freq": "save_freq", "val_before_train": "val_before_train", "resume_mode": "resume_mode",
+           "resume_from_path": "resume_from_path", "default_local_dir": "default_local_dir",
+           "project_name": "project_name", "experiment_name": "experiment_name",
+           "max_actor_ckpt_to_keep": "max_ckpt_to_keep"}
+ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
+NO_COUNTERPART = {  # keys whose effect this engine has built in, or does not need
+    f"{A}.model.use_remove_padding": "sequences are always packed without padding here",
+    f"{A}.rollout.free_cache_engine": "the rollout sleeps between steps by its sleep_level option",
+    f"{A}.rollout.enable_chunked_prefill": "vLLM's own default is kept",
+    f"{A}.rollout.load_format": "the rollout takes its weights from the trainer",
+    f"{A}.hybrid_engine": "colocation is the meshes' colocate_with",
+    "trainer.device": "cluster.device is cuda",
+    "trainer.critic_warmup": "no counterpart: the critic and actor update every step",
+}
+
+
+def read(path: str | Path) -> Source:
+    """A run script's command arguments, or a YAML of the same (nested) keys."""
+    text_head = Path(path).read_bytes()[:4096]
+    script = str(path).endswith(".sh") or text_head.startswith(b"#!")
+    return read_script(path) if script else Source.from_yaml(path)
+
+
+def convert(src: Source) -> Draft:
+    nodes, per_node = src.take("trainer.nnodes", 1, kind=int), src.take("trainer.n_gpus_per_node", 8, kind=int)
+    devices = nodes * per_node
+    for key, why in NO_COUNTERPART.items():
+        src.drop(key, why)
+    if src.take(f"{A}.rollout.name", "vllm") != "vllm":
+        src.remark(f"{A}.rollout.name", "rollouts run on vLLM here")
+    strategy = src.keys.get(f"{A}.actor.strategy", ("fsdp", None))[0]
+    if strategy == "megatron":
+        src.take(f"{A}.actor.strategy")
+    else:  # verl's default; the same devices as data parallel on Megatron
+        src.take(f"{A}.actor.strategy")
+        src.remark(f"{A}.actor.strategy", f"{strategy} becomes Megatron here, data parallel over the same devices")
+        src.drop_under(f"{A}.actor.fsdp_config", f"the actor runs on Megatron here, not {strategy}")
+    actor_sizes = _megatron_sizes(src, f"{A}.actor", devices)
+    ref_sizes = _megatron_sizes(src, f"{A}.ref", devices, default=actor_sizes)
+    rollout_tp = src.take(f"{A}.rollout.tensor_model_parallel_size", 1, kind=int)
+    if devices % rollout_tp:
+        src.problem(f"{A}.rollout.tensor_model_parallel_size", f"{devices} devices do not split into vLLM engines of "
+                    f"{rollout_tp}; expected a divisor of {devices}")
+    estimator = src.take("algorithm.adv_estimator", "gae", kind=str)
+    if estimator not in ESTIMATORS:
+        src.problem("algorithm.adv_estimator", f"'{estimator}' has no counterpart; expected one of {', '.join(sorted(ESTIMATORS))}")
+    kl_in_reward = src.take("algorithm.use_kl_in_reward", False, kind=bool)
+    use_kl_loss = src.take(f"{A}.actor.use_kl_loss", False, kind=bool)
+    meshes = {"actor": allocation("megatron", **actor_sizes),
+              "gen": {"alloc": allocation("vllm", max(devices // rollout_tp, 1), t=rollout_tp), "colocate_with": "actor"}}
+    if use_kl_loss or kl_in_reward:
+        meshes["ref"] = {"alloc": allocation("megatron", **ref_sizes), "colocate_with": "actor"}
+    actor_dp = actor_sizes["d"]
+
+    draft = Draft(
+        name=str(src.take("trainer.experiment_name", Path(src.file).stem)).replace("_", "-"),
+        cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
+        policy={"path": src.take(f"{A}.model.path", kind=str),
+                "dtype": src.take(f"{A}.actor.megatron.param_dtype", "bfloat16", kind=str),
+                "trust_remote_code": src.take(f"{A}.model.trust_remote_code", kind=bool)},
+        data={key: number(src.take(f"data.{key}")) for key in DATA},
+        meshes=meshes,
+        rollout={ours: number(src.take(f"{A}.rollout.{key}")) for key, ours in ROLLOUT_OPTIONS.items()},
+        actor={ours: number(src.take(f"{A}.actor.{key}")) for key, ours in ACTOR_OPTIONS.items()},
+        actor_params={ours: number(src.take(f"{A}.actor.{key}")) for key, ours in ACTOR_PARAMS.items()},
+        advantage={"estimator": estimator, "norm_by_std": src.take("algorithm.norm_adv_by_std_in_grpo", kind=bool),
+                   "gamma": number(src.take("algorithm.gamma")), "lam": number(src.take("algorithm.lam"))},
+        trainer={ours: src.take(f"trainer.{key}") for key, ours in TRAINER.items()} | {"logger": _loggers(src)},
+    )
+    draft.actor_params["use_kl_loss"] = use_kl_loss or None
+    draft.actor_params["policy_loss"] = {"vanilla": None}.get(draft.actor_params["policy_loss"], draft.actor_params["policy_loss"])
+    clip = number(src.take(f"{A}.actor.clip_ratio"))
+    for side in ("clip_ratio_low", "clip_ratio_high"):
+        draft.actor_params[side] = draft.actor_params[side] if draft.actor_params[side] is not None else clip
+    _lengths(src, draft)
+    _micro_batches(src, draft, actor_dp, ref_sizes["d"])
+    if src.take(f"{A}.model.enable_gradient_checkpointing", False, kind=bool):
+        draft.actor |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if src.take(f"{A}.actor.use_dynamic_bsz", False, kind=bool):
+        draft.actor["dynamic_micro_batch_tokens"] = src.take(f"{A}.actor.ppo_max_token_len_per_gpu", kind=int)
+    if kl_in_reward:
+        draft.reward = {"kl_coef": number(src.take("algorithm.kl_ctrl.kl_coef", 0.001)),
+                        "kl_estimator": src.take("algorithm.kl_penalty", "kl", kind=str)}
+        src.drop("algorithm.kl_ctrl.type", "the KL-in-reward coefficient is fixed here")
+    if src.take("reward_model.overlong_buffer.enable", False, kind=bool):
+        draft.reward |= {"overlong_buffer_len": src.take("reward_model.overlong_buffer.len", kind=int),
+                         "overlong_penalty_factor": number(src.take("reward_model.overlong_buffer.penalty_factor"))}
+    for key in ("param_offload", "grad_offload", "optimizer_offload"):  # FSDP's offloads mean the same
+        if draft.actor.get(key) is None:
+            draft.actor[key] = src.take(f"{A}.actor.fsdp_config.{key}", kind=bool)
+    _ref_options(src, draft)
+    _lora(src, draft)
+    if estimator == "gae":
+        _critic(src, draft, devices)
+    if (dropped := draft.one_micro_batch()) is not None:
+        src.remark(f"{A}.rollout.log_prob_micro_batch_size_per_gpu", f"old log-probs run on the training engine, with "
+                   f"its micro batch ({draft.actor['micro_batch_size']}), not {dropped}")
+    src.raise_problems()
+    return draft
+
+
+def _megatron_sizes(src: Source, role: str, devices: int, default: dict | None = None) -> dict[str, int]:
+    sizes = {k: src.take(f"{role}.megatron.{key}", (default or {}).get(k), kind=int) for k, key in MEGATRON_SIZES.items()}
+    sizes = {k: v or 1 for k, v in sizes.items()} | {"etp": sizes["etp"] or sizes["t"] or 1}  # megatron-core: etp = t
+    replica = sizes["t"] * sizes["p"] * sizes["c"]
+    if devices % replica:
+        src.problem(f"{role}.megatron.tensor_model_parallel_size", f"{devices} devices do not split into replicas of "
+                    f"t{sizes['t']} x p{sizes['p']} x c{sizes['c']} = {replica}; expected sizes whose product divides {devices}")
+    return {"d": max(devices // replica, 1)} | sizes
+
+
+def _loggers(src: Source) -> list[str] | None:
+    value = src.take("trainer.logger")
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    kept = [n for n in names if n in ("console", "tensorboard")]
+    if kept != names:
+        others = ", ".join(n for n in names if n not in kept)
+        src.remark("trainer.logger", f"{others} left out: console and tensorboard are the loggers here")
+    return kept
+
+
+def _lengths(src: Source, draft: Draft) -> None:
+    """The rollout's lengths are the data's here; a different one is named, not dropped."""
+    draft.rollout["max_tokens"] = draft.data.get("max_response_length")
+    for key, data_key in (("prompt_length", "max_prompt_length"), ("response_length", "max_response_length")):
+        value = src.keys.get(f"{A}.rollout.{key}", (None, None))[0]
+        if value is not None and value == draft.data.get(data_key):
+            src.take(f"{A}.rollout.{key}")
+        else:
+            src.drop(f"{A}.rollout.{key}", f"the rollout's lengths are data.{data_key} here")
+
+
+def _micro_batches(src: Source, draft: Draft, actor_dp: int, ref_dp: int) -> None:
+    """verl's deprecated global micro batch sizes, divided among data-parallel ranks as verl does."""
+    for key, target, dp in ((f"{A}.actor.ppo_micro_batch_size", draft.actor, actor_dp),
+                            (f"{A}.rollout.log_prob_micro_batch_size", draft.logprob, actor_dp),
+                            (f"{A}.ref.log_prob_micro_batch_size", draft.ref, ref_dp)):
+        per_gpu = src.take(f"{key}_per_gpu", kind=int)
+        total = src.take(key, kind=int)
+        if per_gpu is None and total is not None:
+            if total % dp:
+                src.problem(key, f"{total} does not divide among {dp} data-parallel ranks; expected a multiple of {dp}")
+            per_gpu = max(total // dp, 1)
+        if per_gpu is not None:
+            target["micro_batch_size"] = per_gpu
+
+
+def _ref_options(src: Source, draft: Draft) -> None:
+    if "ref" not in draft.meshes:
+        src.drop_under(f"{A}.ref", "no reference log-probs are needed (no KL loss or KL in reward)")
+        return
+    offload = src.take(f"{A}.ref.megatron.param_offload", kind=bool)
+    draft.ref |= {"param_offload": offload if offload is not None else src.take(f"{A}.ref.fsdp_config.param_offload", kind=bool),
+                  "sequence_parallel": src.take(f"{A}.ref.megatron.sequence_parallel", kind=bool)}
+
+
+def _lora(src: Source, draft: Draft) -> None:
+    rank = src.take(f"{A}.model.lora_rank", 0, kind=int)
+    if rank:
+        modules = src.take(f"{A}.model.target_modules", "all-linear")
+        draft.policy["lora"] = {"rank": rank, "alpha": src.take(f"{A}.model.lora_alpha", 2 * rank),
+                                "target_modules": modules if isinstance(modules, list) else [modules]}
+
+
+def _critic(src: Source, draft: Draft, devices: int) -> None:
+    sizes = _megatron_sizes(src, "critic", devices)
+    draft.meshes["critic"] = {"alloc": allocation("megatron", **sizes), "colocate_with": "actor"}
+    draft.critic_model = {"path": src.take("critic.model.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
+    draft.critic = {"lr": number(src.take("critic.optim.lr")), "micro_batch_size": src.take("critic.ppo_micro_batch_size_per_gpu", kind=int)}
+    draft.critic_params = {"mini_batch_size": src.take("critic.ppo_mini_batch_size", draft.actor_params.get("mini_batch_size"), kind=int),
+                           "epochs": src.take("critic.ppo_epochs", kind=int), "cliprange_value": number(src.take("critic.cliprange_value"))}

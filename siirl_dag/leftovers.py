@@ -11,6 +11,7 @@ from contextlib import contextmanager, suppress
 from typing import Callable, Iterator
 
 SHM_DIR = "/dev/shm"
+RAY_SEMAPHORES = r"sem\.(?:obj|hdr)(\d+)-\d+"  # a channel buffer's two, named after its raylet's pid
 
 
 def sweep_dead(pattern: str, folder: str = SHM_DIR) -> None:

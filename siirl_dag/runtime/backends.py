@@ -94,6 +94,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, log_to_dri
     if address:
         kwargs["address"] = address
     else:
+        from siirl_dag.runtime import reaper
+
+        reaper.guard()  # the Ray about to start, and all it starts, ends with this process (a SIGKILL included)
         # workers import the same code the driver sees (the checkout, user kinds, tests)
         paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         kwargs.update(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}},
@@ -109,8 +112,7 @@ def stop_ray() -> None:
     /dev/shm (named after its raylet, now gone: see `weight_sync.shared_memory`)."""
     import ray
 
-    from siirl_dag.leftovers import sweep_dead
-    from siirl_dag.weight_sync.shared_memory import RAY_SEMAPHORES
+    from siirl_dag.leftovers import RAY_SEMAPHORES, sweep_dead
 
     ray.shutdown()
     sweep_dead(RAY_SEMAPHORES)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from siirl_dag.leftovers import sweep_dead
+from siirl_dag.leftovers import RAY_SEMAPHORES, sweep_dead
 from siirl_dag.runtime.batch import tensor_from_wire, tensor_to_wire
 from siirl_dag.runtime.worker import RankWorker
 from siirl_dag.weight_sync.path import Streamed
@@ -30,7 +30,6 @@ from siirl_dag.weight_sync.stream import nbytes
 SLOTS = 2
 POLL_S = 0.001
 FIRST_BYTES = 2**20  # a buffer's size until a bucket needs more
-RAY_SEMAPHORES = r"sem\.(?:obj|hdr)(\d+)-\d+"  # a channel buffer's two, named after its raylet's pid
 
 
 class ChannelPipe:

@@ -13,6 +13,7 @@ import socket
 import sys
 from typing import Any, Callable
 
+from siirl_dag.runtime import machines
 from siirl_dag.runtime.worker import RankWorker
 
 
@@ -62,6 +63,9 @@ class LocalBackend:
     def kill(self, worker) -> None:
         pass
 
+    def lost_machines(self) -> list:
+        return []
+
     def shutdown(self) -> None:
         pass
 
@@ -97,6 +101,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, log_to_dri
         from siirl_dag.runtime import reaper
 
         reaper.guard()  # the Ray about to start, and all it starts, ends with this process (a SIGKILL included)
+        kwargs["address"] = "local"  # a new Ray of its own, never a cluster this machine already runs (ray start)
         # workers import the same code the driver sees (the checkout, user kinds, tests)
         paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         kwargs.update(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}},
@@ -129,6 +134,8 @@ class RayBackend:
         self.started_ray = False
         self.groups: list = []
         self.actors: list = []
+        self.machines: list[machines.Machine] = []
+        self.made: dict[tuple[str, int], int] = {}  # workers made per (group, rank), which names them in Ray
 
     def start(self) -> None:
         import ray
@@ -138,9 +145,11 @@ class RayBackend:
         if not ray.is_initialized():
             init_ray(self.address, int(max(os.cpu_count() or 1, cluster.total * cpr + 1)), log_to_driver=not self.log_dir)
             self.started_ray = True
+        self.machines = machines.choose(ray.nodes(), cluster, cpr, ray.get_runtime_context().get_node_id())
         bundle = {"GPU": 1, "CPU": 1} if cluster.device == "cuda" else {"CPU": cpr}
-        self.groups = [placement_group([dict(bundle) for _ in range(cluster.devices_per_node)], strategy="STRICT_PACK")
-                       for _ in range(cluster.nodes)]
+        n = cluster.devices_per_node
+        self.groups = [placement_group([dict(bundle)] * n, strategy="STRICT_PACK",
+                                       bundle_label_selector=[{machines.NODE_LABEL: m.node_id}] * n) for m in self.machines]
         ray.get([pg.ready() for pg in self.groups], timeout=120)
 
     def create_worker(self, group: str, rank: int, world: int, device: int | None):
@@ -149,7 +158,8 @@ class RayBackend:
 
         cluster = self.pipeline.cluster
         threads = max(1, int(self.pipeline.runtime.cpus_per_rank))
-        options: dict[str, Any] = {"name": None, "max_concurrency": 1,
+        made = self.made[group, rank] = self.made.get((group, rank), 0) + 1  # a restarted rank gets a new name
+        options: dict[str, Any] = {"name": f"{group}:{rank}" + (f"#{made}" if made > 1 else ""), "max_concurrency": 1,
                                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
         if device is None:  # a compute worker: reward, advantage ... beside the driver (threaded actors are slower)
             options.update(num_cpus=0)
@@ -186,6 +196,12 @@ class RayBackend:
         import ray
 
         ray.kill(worker, no_restart=True)
+
+    def lost_machines(self) -> list[machines.Machine]:
+        """Machines whose node is gone (one Ray node standing for every machine is never lost mid-run)."""
+        import ray
+
+        return machines.lost(self.machines, ray.nodes()) if len(set(self.machines)) > 1 else []
 
     def shutdown(self) -> None:
         import ray

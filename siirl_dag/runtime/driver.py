@@ -15,6 +15,7 @@ from typing import Iterable
 import networkx as nx
 
 from siirl_dag.errors import PipelineError
+from siirl_dag.runtime import machines
 from siirl_dag.graph import SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
@@ -112,6 +113,8 @@ class Runtime:
         pipe, progress = self.pipe, self.progress
         self._check_local()
         self.backend.start()
+        if pipe.cluster.nodes > 1 and getattr(self.backend, "machines", None):
+            progress(f"[runtime] machines: {machines.describe(self.backend.machines)}")
         for name, mesh in pipe.plan.meshes.items():
             if mesh.colocated_with is None:
                 self.workers[name] = self._create_group(name)
@@ -322,6 +325,7 @@ class Runtime:
         result.spans[run.node] = (run.started, end)
 
     def _retry_or_raise(self, run: _Running, exc: Exception, result, step, validating, running) -> None:
+        self._stop_if_machines_lost(step)
         node = self.pipe.nodes[run.node]
         cause = getattr(exc, "cause", None) or exc
         tries = self.attempts.get(run.node, 0)
@@ -336,6 +340,17 @@ class Runtime:
                                 f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
         logs = f" (the ranks' logs: {self.log_dir}/)" if self.log_dir else ""
         raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}{logs}") from None
+
+    def _stop_if_machines_lost(self, step: int) -> None:
+        """A lost machine cannot be replaced mid-run (its ranks' state went with it): stop, naming it."""
+        lost = self.backend.lost_machines()
+        if not lost:
+            return
+        on = {m.index: [f"{name}:{r.rank}" for name, mesh in self.pipe.plan.meshes.items() for r in mesh.ranks
+                        if r.machine == m.index] for m in lost}
+        where = "; ".join(f"{m}, with ranks {', '.join(on[m.index]) or 'none'}" for m in lost)
+        raise PipelineError(f"step {step}: lost {where}. The run stopped; resume from its last checkpoint on a "
+                            "cluster with enough devices again: the same command (trainer.resume_mode=auto)")
 
     def _restart_group(self, group: str, step: int) -> None:
         """Replace a group's workers (one died), rebind their roles and rebuild their engines.
@@ -383,6 +398,7 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
                 if dst in self.sync_paths:
                     self.sync_paths.pop(dst).close()  # a part may have stopped half-way: never used again
+                self._stop_if_machines_lost(step)
                 cause = getattr(exc, "cause", None) or exc
                 raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.versions[src]}, path "
                                     f"{self.routes[dst].path}) failed: {cause}") from None

@@ -1,6 +1,7 @@
 """actor_update: PPO-clip policy update (GRPO uses it with group advantages) on a Megatron mesh."""
 
 from siirl_dag.errors import Problem
+from nodes.rollout import temperature_differs
 from siirl_dag.registry import node_kind
 
 _BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages", "old_logprobs")
@@ -29,7 +30,7 @@ def check_mini_batch(node, pipeline):
 
 
 def _checks(node, pipeline):
-    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline)
+    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline) + temperature_differs(node, pipeline)
 
 
 def _stale_samples_corrected(node, pipeline):

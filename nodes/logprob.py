@@ -9,18 +9,21 @@ def _produces(params):
     return (params["output"],) + (("entropy",) if params.get("return_entropy") else ())
 
 
-def _adapters_off_need_them(node, pipeline) -> list:
-    """`adapters: off` on a model without adapters is a mistake worth naming."""
+def _checks(node, pipeline) -> list:
+    """`adapters: off` on a model without adapters is a mistake worth naming; so is a temperature
+    other than the rollout's."""
+    from nodes.rollout import temperature_differs
     from siirl_dag.errors import Problem
 
+    problems = temperature_differs(node, pipeline)
     if not node.params["adapters"] and pipeline.models[node.model].lora is None:
-        return [Problem(pipeline.node_path(node.id) + ("params", "adapters"), f"model '{node.model}' has no LoRA "
-                        "adapters to switch off; expected models.<name>.lora, or adapters: on")]
-    return []
+        problems.append(Problem(pipeline.node_path(node.id) + ("params", "adapters"), f"model '{node.model}' has no "
+                                "LoRA adapters to switch off; expected models.<name>.lora, or adapters: on"))
+    return problems
 
 
 @node_kind("logprob", consumes=INPUTS, produces=_produces, strategies=("megatron",), params_schema="logprob",
-           check=_adapters_off_need_them)
+           check=_checks)
 def logprob(batch, ctx):
     """Forward only; writes `params.output` (old_logprobs or ref_logprobs)."""
     out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"], return_entropy=ctx.params["return_entropy"],

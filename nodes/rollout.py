@@ -22,6 +22,22 @@ def _lengths_fit(node, pipeline) -> list[Problem]:
                     f"expected max_model_len >= {need}, or shorter lengths")]
 
 
+def temperature_differs(node, pipeline) -> list[Problem]:
+    """Log-probs at another temperature than the samples were drawn at make every ratio against them
+    off-policy, silently (verl hands the rollout's temperature to both): a warning at the node's."""
+    import networkx as nx
+
+    mine = node.params["temperature"]
+    for up in sorted(nx.ancestors(pipeline.graph, node.id)):
+        sampler = pipeline.nodes[up]
+        if sampler.kind in ("rollout", "agent_rollout") and sampler.options["temperature"] != mine:
+            theirs = sampler.options["temperature"]
+            return [Problem(pipeline.node_path(node.id) + ("params", "temperature"), f"log-probs at temperature {mine}, "
+                            f"but '{up}' samples at {theirs}, so every ratio against its samples is off-policy; "
+                            f"expected temperature: {theirs}", severity="warning")]
+    return []
+
+
 def _prompt_lengths(node, pipeline, data) -> list[int]:
     """Each prompt's tokens as the engine will count them (a chat list through the template). Kept
     for later runs on the same files and tokenizer (`row_cache`), which then skip loading it."""

@@ -777,3 +777,13 @@ def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
     assert p.path == ("runtime", "schedule") and "with dynamic sampling" in p.message
     pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
     assert pipe.runtime.schedule == "one_step_off"
+
+
+def test_log_probs_at_another_temperature_than_the_rollout_are_warned_at_their_line():
+    tiny = Path(__file__).resolve().parents[1] / "graphs" / "tiny_grpo_cpu.yaml"
+    assert not [w for w in load_pipeline(tiny).warnings if "temperature" in w.message]
+    pipe = load_pipeline(tiny, ["nodes.rollout.options.temperature=0.7", "nodes.ref_logprob.params.temperature=0.7"])
+    warned = {format_path(w.path): (w.line, w.message) for w in pipe.warnings if "temperature" in w.message}
+    assert set(warned) == {"nodes[3].params.temperature", "nodes[5].params.temperature"}  # old_logprob, actor_update
+    assert warned["nodes[3].params.temperature"][1] == ("log-probs at temperature 1.0, but 'rollout' samples at 0.7, so "
+                                                         "every ratio against its samples is off-policy; expected temperature: 0.7")

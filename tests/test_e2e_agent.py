@@ -31,9 +31,10 @@ def test_agent_pipeline_calls_tools_and_trains_on_the_models_tokens(tmp_path, ag
                  "nodes.actor_update.params.rollout_is=token", "trainer.logger=[tensorboard]",
                  # sampling cooler than the demo's, so a barely warm model calls its tool; the trainer matches it
                  "nodes.rollout.options.temperature=0.5", "nodes.old_logprob.params.temperature=0.5",
-                 "nodes.ref_logprob.params.temperature=0.5", "nodes.actor_update.params.temperature=0.5"]
+                 "nodes.ref_logprob.params.temperature=0.5", "nodes.actor_update.params.temperature=0.5",
+                 "trainer.log_trajectories=3", "trainer.project_name=agent", "trainer.experiment_name=e2e"]
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(ROOT / "graphs" / "tiny_agent_tools_cpu.yaml"),
-                          "--json", *overrides], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          "--json", *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = json.loads(res.stdout)["steps"]
     for step in steps.values():
@@ -41,3 +42,8 @@ def test_agent_pipeline_calls_tools_and_trains_on_the_models_tokens(tmp_path, ag
         assert "agent/tool_time_s/mean" in step and "agent/tool_errors/mean" in step
         assert step["rollout_corr/log_ppl_abs_diff"] < 1e-4  # the trainer's log-probs are vLLM's, tool spans masked
     assert "val-core/demo/agent_sum/acc" in steps["2"]
+    logged = [json.loads(line) for line in (tmp_path / "outputs/agent/e2e/trajectories.jsonl").read_text().splitlines()]
+    assert len(logged) == 3 and all(row["step"] == 2 and row["prompt"] and row["response"] for row in logged)
+    assert any(part["by"] == "tool" for row in logged for part in row["response"])  # an observation, not trained on
+    assert all(row["model_tokens"] > 0 and (row["tool_tokens"] > 0) == any(p["by"] == "tool" for p in row["response"])
+               for row in logged)

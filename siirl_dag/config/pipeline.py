@@ -147,6 +147,7 @@ class TrainerSpec:
     export_hf: bool
     val_score_key: str
     trace: bool
+    log_trajectories: int
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from siirl_dag.config import schedule
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
 from siirl_dag.graph import phases_of
-from siirl_dag.trainer import checkpoint, refill
+from siirl_dag.trainer import checkpoint, refill, trajectories
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
@@ -54,6 +54,7 @@ class Trainer:
         t, d = pipe.trainer, pipe.data
         project, experiment = t.project_name or pipe.name, t.experiment_name or "default"
         self.out_dir = Path("outputs") / project / experiment
+        self._tokenizer = None  # the responses' (trainer.log_trajectories), loaded at first use
         self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
         self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
         self.log_dir = Path(t.log_dir or self.out_dir / "logs")  # each run logs into a folder of its own there
@@ -238,16 +239,27 @@ class Trainer:
 
         wanted, began = {producer} | nx.ancestors(pipe.graph, producer), time.time()
         size = pipe.data.val_batch_size or len(self.val_data)
-        per_source = defaultdict(list)
+        per_source, to_log = defaultdict(list), pipe.trainer.log_trajectories
         for start in range(0, len(self.val_data), size):
             rows = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
             result = self.rt.run_step(_source(rows, "val-"), self.step, validating=True, nodes=wanted)
-            batch = self.rt.collect(result, [key, "data_source"])
+            batch = self.rt.collect(result, [key, "data_source", *(trajectories.KEYS if to_log else ())])
             for src, score in zip(batch["data_source"], batch[key].sum(dim=-1).tolist()):
                 per_source[src].append(score)
+            if to_log:
+                logged = trajectories.lines(batch, key, self._response_tokenizer(), self.step, to_log)
+                trajectories.append(self.out_dir / "trajectories.jsonl", logged)
+                to_log -= len(logged)
         if self.rt.trace is not None:
             self.rt.trace.driver("validation", began, step=self.step, prompts=len(self.val_data))
         return {f"val-core/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
+
+    def _response_tokenizer(self):
+        """The tokenizer of the model that writes `responses` (loaded once)."""
+        if self._tokenizer is None:
+            writer = next(n for n in self.pipe.nodes.values() if "responses" in self.pipe.produces(n.id))
+            self._tokenizer = self.pipe.models[writer.model].load_tokenizer()
+        return self._tokenizer
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict:

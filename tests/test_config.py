@@ -787,3 +787,13 @@ def test_log_probs_at_another_temperature_than_the_rollout_are_warned_at_their_l
     assert set(warned) == {"nodes[3].params.temperature", "nodes[5].params.temperature"}  # old_logprob, actor_update
     assert warned["nodes[3].params.temperature"][1] == ("log-probs at temperature 1.0, but 'rollout' samples at 0.7, so "
                                                          "every ratio against its samples is off-policy; expected temperature: 0.7")
+
+
+def test_exponents_without_a_dot_are_numbers_as_in_yaml_1_2(tmp_path):
+    """YAML 1.1 reads `1e-6` as a string; every RL config written for Python means a float."""
+    text = BASE.replace("params: {mini_batch_size: 4}", "params: {mini_batch_size: 4}\n    options: {lr: 1e-6}")
+    assert load_pipeline(write(tmp_path, text)).nodes["actor_update"].options["lr"] == 1e-6
+    pipe = load_pipeline(write(tmp_path, BASE), ["nodes.actor_update.options.lr=1e-4"])
+    assert pipe.nodes["actor_update"].options["lr"] == 1e-4
+    quoted = problems(tmp_path, BASE, ["nodes.actor_update.options.lr='1e-4'"])
+    assert any("'1e-4' is a string; expected number" in p.message for p in quoted)

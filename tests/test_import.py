@@ -125,7 +125,7 @@ echo done
     src = read_script(script)
     assert not marker.exists()  # the command substitution was not run
     assert {k: v[0] for k, v in src.keys.items() if k.startswith(("trainer.n", "actor"))} == {
-        "trainer.nnodes": 2, "trainer.n_gpus_per_node": 8, "actor_rollout_ref.actor.optim.lr": "1e-6",
+        "trainer.nnodes": 2, "trainer.n_gpus_per_node": 8, "actor_rollout_ref.actor.optim.lr": 1e-6,
         "actor_rollout_ref.model.path": "m"}
     assert src.line("trainer.n_gpus_per_node") == 8
     left = {x.key: x.why for x in src.leftovers()}

@@ -8,6 +8,7 @@ are bounded, so a small file cannot exhaust the stack or take gigabytes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,12 @@ class LimitedLoader(yaml.SafeLoader):
             raise LimitError(problem=f"alias '*{event.anchor}' expands the document past {MAX_ALIASED} aliased "
                                       "values; expected aliases of small sections",
                               problem_mark=event.start_mark)
+
+
+# YAML 1.1 reads `1e-6` (no dot) as a string; YAML 1.2, JSON and every RL config written for Python
+# mean a float. Plain scalars only: a quoted '1e-6' stays a string.
+LimitedLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                    list("-+0123456789"))
 
 
 def _scalar(node: yaml.ScalarNode) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from siirl_dag.errors import ConfigError
-from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, number, strategy_options
+from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
 from siirl_dag.importers.source import Source
 from siirl_dag.placement.allocation import parse_allocation
 
@@ -42,12 +42,12 @@ def convert(src: Source) -> Draft:
     nodes = src.take("cluster.n_nodes", -(-world // per_node), kind=int)
     batch = src.take("train_dataset.batch_size", kind=int)
     n = src.take("gconfig.n_samples", 1, kind=int)
-    kl = number(src.take("actor.kl_ctl", 0.0))
+    kl = src.take("actor.kl_ctl", 0.0)
     if not kl:
         meshes.pop("ref", None)
         src.drop_under("ref", "no reference log-probs are needed (actor.kl_ctl is 0)")
     optim = "actor.optimizer"
-    betas = [number(src.take(f"{optim}.beta1", 0.9)), number(src.take(f"{optim}.beta2", 0.999))]
+    betas = [src.take(f"{optim}.beta1", 0.9), src.take(f"{optim}.beta2", 0.999)]
     draft = Draft(
         name=str(src.take("experiment_name", Path(src.file).stem)).replace("_", "-"),
         cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
@@ -57,12 +57,12 @@ def convert(src: Source) -> Draft:
               "max_prompt_length": src.take("train_dataset.max_length", kind=int),
               "max_response_length": src.take("gconfig.max_new_tokens", kind=int), "shuffle": src.take("train_dataset.shuffle")},
         meshes=meshes,
-        rollout={"n": n, "temperature": number(src.take("gconfig.temperature")), "top_p": number(src.take("gconfig.top_p")),
+        rollout={"n": n, "temperature": src.take("gconfig.temperature"), "top_p": src.take("gconfig.top_p"),
                  "top_k": src.take("gconfig.top_k", kind=int), "max_tokens": src.keys.get("gconfig.max_new_tokens", (None,))[0]},
         reward={"kl_coef": kl or None},
-        actor={"lr": number(src.take(f"{optim}.lr")), "weight_decay": number(src.take(f"{optim}.weight_decay")),
-               "betas": betas if betas != [0.9, 0.999] else None, "eps": number(src.take(f"{optim}.eps")),
-               "clip_grad": number(src.take(f"{optim}.gradient_clipping")),
+        actor={"lr": src.take(f"{optim}.lr"), "weight_decay": src.take(f"{optim}.weight_decay"),
+               "betas": betas if betas != [0.9, 0.999] else None, "eps": src.take(f"{optim}.eps"),
+               "clip_grad": src.take(f"{optim}.gradient_clipping"),
                "lr_decay_style": DECAY.get(src.take(f"{optim}.lr_scheduler_type")),
                "dynamic_micro_batch_tokens": src.take("actor.mb_spec.max_tokens_per_mb", kind=int)},
         trainer={"total_epochs": src.take("total_train_epochs", kind=int), "seed": src.take("seed", kind=int),
@@ -162,12 +162,12 @@ def _loss(src: Source, draft: Draft, batch: int | None, n: int) -> None:
     if batch and batch % minibatches:
         src.problem("actor.ppo_n_minibatches", f"{batch} prompts do not split into {minibatches} mini batches; "
                     f"expected a divisor of train_dataset.batch_size")
-    clip = number(src.take("actor.eps_clip"))
+    clip = src.take("actor.eps_clip")
     draft.actor_params = {"mini_batch_size": max((batch or minibatches) // minibatches, 1), "clip_ratio_low": clip,
-                          "clip_ratio_high": number(src.take("actor.eps_clip_higher", clip)),
-                          "temperature": number(src.take("actor.temperature"))}
+                          "clip_ratio_high": src.take("actor.eps_clip_higher", clip),
+                          "temperature": src.take("actor.temperature")}
     if src.take("actor.use_decoupled_loss", False, kind=bool):
-        cap = number(src.take("actor.behav_imp_weight_cap"))
+        cap = src.take("actor.behav_imp_weight_cap")
         draft.actor_params |= {"rollout_is": "token", "rollout_is_threshold": cap}
         src.remark("actor.use_decoupled_loss", "becomes rollout_is: token (the loss weighed by truncated importance "
                                                "weights of the trainer's old policy over the rollout's)")
@@ -184,11 +184,11 @@ def _advantage(src: Source, draft: Draft, n: int) -> None:
     src.take("actor.reward_norm.group_size")
     src.drop_under("actor.adv_norm", "advantages are normalized by the estimator (grpo: per group; gae: per batch)")
     if "critic" in draft.meshes:
-        draft.advantage = {"estimator": "gae", "gamma": number(src.take("actor.discount")), "lam": number(src.take("actor.gae_lambda"))}
+        draft.advantage = {"estimator": "gae", "gamma": src.take("actor.discount"), "lam": src.take("actor.gae_lambda")}
         draft.critic_model = {"path": src.take("critic.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
-        draft.critic = {"lr": number(src.take("critic.optimizer.lr"))}
+        draft.critic = {"lr": src.take("critic.optimizer.lr")}
         draft.critic_params = {"mini_batch_size": draft.actor_params["mini_batch_size"],
-                               "cliprange_value": number(src.take("critic.value_eps_clip"))}
+                               "cliprange_value": src.take("critic.value_eps_clip")}
         return
     draft.advantage = {"estimator": "grpo", "norm_by_std": None if std == "group" else False}
     if mean != "group":
@@ -199,7 +199,7 @@ def _rollout_engine(src: Source, draft: Draft, server: str) -> None:
     """The inference server's memory share and context length, from its section (sglang or vllm)."""
     share, length = (("vllm.gpu_memory_utilization", "vllm.max_model_len") if server == "vllm" else
                      ("sglang.mem_fraction_static", "sglang.context_length"))
-    draft.rollout |= {"gpu_memory_utilization": number(src.take(share)), "max_model_len": src.take(length, kind=int)}
+    draft.rollout |= {"gpu_memory_utilization": src.take(share), "max_model_len": src.take(length, kind=int)}
     src.drop_under("sglang", "sglang's settings; rollouts run on vLLM here")
     src.drop_under("vllm", "set on the rollout node's options")
 

@@ -16,16 +16,6 @@ from siirl_dag.importers.source import Source
 POLICY, CRITIC = "policy", "critic"
 
 
-def number(value: Any) -> Any:
-    """'1e-6' (a string to YAML 1.1, a float to Python and Hydra) as a float; anything else as is."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
 def allocation(backend: str, d: int, t: int = 1, p: int = 1, c: int = 1, e: int = 1, etp: int = 1) -> str:
     """An allocation string, sizes of 1 (other than d) left out. Experts split by tensor parallel too
     (etp > 1, megatron-core's default etp = t in verl and ROLL) need MoE folding to say so."""

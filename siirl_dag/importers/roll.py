@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from siirl_dag.config.roll_compat import parse_device_list
-from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, allocation, number, strategy_options
+from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, allocation, strategy_options
 from siirl_dag.importers.source import Source
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -44,9 +44,9 @@ def convert(src: Source) -> Draft:
     devices, meshes = _meshes(src)
     top = {"trainer": {}, "data": {}, "actor_params": {}}
     for key, (part, ours) in TOP.items():
-        top[part][ours] = number(src.take(key))
+        top[part][ours] = src.take(key)
     use_kl_loss = src.take("use_kl_loss", False, kind=bool)
-    kl_coef = number(src.take("init_kl_coef", 0.0)) if src.take("add_token_level_kl", False, kind=bool) else 0.0
+    kl_coef = src.take("init_kl_coef", 0.0) if src.take("add_token_level_kl", False, kind=bool) else 0.0
     if not kl_coef:
         src.drop("init_kl_coef", "add_token_level_kl is off")
     if not (use_kl_loss or kl_coef):
@@ -152,7 +152,7 @@ def _advantage(src: Source, draft: Draft) -> None:
     draft.advantage = {"estimator": ESTIMATORS.get(name, "grpo")}
     if name == "gae":
         draft.critic_model = {"path": src.take("reward_pretrain", draft.policy["path"]), "dtype": draft.policy["dtype"]}
-        draft.critic_params = {"mini_batch_size": None, "cliprange_value": number(src.take("value_clip"))}
+        draft.critic_params = {"mini_batch_size": None, "cliprange_value": src.take("value_clip")}
     else:
         src.drop("reward_pretrain", "no critic: the estimator needs no value model")
         src.drop("value_clip", "no critic: the estimator needs no value model")
@@ -170,20 +170,20 @@ def _actor(src: Source, draft: Draft, dp: int, n: int) -> None:
     if draft.critic_model is not None:
         draft.critic_params["mini_batch_size"] = draft.actor_params["mini_batch_size"]
     draft.actor = _megatron_options(src, "actor_train") | {
-        "lr": number(src.take(f"{args}.learning_rate")), "weight_decay": number(src.take(f"{args}.weight_decay")),
-        "lr_warmup_steps": src.take(f"{args}.warmup_steps", kind=int), "clip_grad": number(src.take(f"{args}.max_grad_norm")),
+        "lr": src.take(f"{args}.learning_rate"), "weight_decay": src.take(f"{args}.weight_decay"),
+        "lr_warmup_steps": src.take(f"{args}.warmup_steps", kind=int), "clip_grad": src.take(f"{args}.max_grad_norm"),
         "micro_batch_size": per_device}
     src.drop(f"{args}.num_train_epochs", "training runs max_steps steps")
     draft.logprob = {"micro_batch_size": src.take("actor_train.infer_batch_size", kind=int)}
-    clip = number(src.take("pg_clip"))
+    clip = src.take("pg_clip")
     draft.actor_params |= {"clip_ratio_low": clip, "clip_ratio_high": clip}
 
 
 def _rollout(src: Source, draft: Draft, n: int) -> None:
     gen = "actor_infer.generating_args"
-    draft.rollout = {"n": n, "temperature": number(src.take(f"{gen}.temperature")), "top_p": number(src.take(f"{gen}.top_p")),
+    draft.rollout = {"n": n, "temperature": src.take(f"{gen}.temperature"), "top_p": src.take(f"{gen}.top_p"),
                      "top_k": src.take(f"{gen}.top_k", kind=int), "max_tokens": draft.data.get("max_response_length"),
-                     "val_temperature": number(src.take("validation.generating_args.temperature"))}
+                     "val_temperature": src.take("validation.generating_args.temperature")}
     for key, ours in ((f"{gen}.max_new_tokens", draft.data.get("max_response_length")), (f"{gen}.num_return_sequences", n)):
         if src.keys.get(key, (None,))[0] in (None, ours):
             src.take(key)
@@ -193,7 +193,7 @@ def _rollout(src: Source, draft: Draft, n: int) -> None:
     name = src.take("actor_infer.strategy_args.strategy_name", "vllm", kind=str)
     if name == "sglang":
         src.remark("actor_infer.strategy_args.strategy_name", "sglang rollouts run on vLLM here")
-        draft.rollout["gpu_memory_utilization"] = number(src.take(f"{config}.mem_fraction_static"))
+        draft.rollout["gpu_memory_utilization"] = src.take(f"{config}.mem_fraction_static")
         src.drop_under(config, "sglang's settings; rollouts run on vLLM here")
     draft.rollout |= strategy_options(src, config, "vllm")
     src.take("actor_infer.model_args.dtype")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from siirl_dag.config.yaml_loader import LimitedLoader
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.importers.source import Source
 
@@ -181,7 +182,7 @@ def _argument(word: str, number: int, env: dict[str, str | Unresolved], source: 
         source.drop(key, str(exc))
         return
     try:
-        value = yaml.safe_load(text) if text else ""
+        value = yaml.load(text, Loader=LimitedLoader) if text else ""  # typed as overrides are (1e-6 a float)
     except yaml.YAMLError:
         value = text
     source.keys[key] = (value, number)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from siirl_dag.importers.draft import Draft, allocation, number
+from siirl_dag.importers.draft import Draft, allocation
 from siirl_dag.importers.shell_script import read_script
 from siirl_dag.importers.source import Source
 
@@ -99,18 +99,18 @@ def convert(src: Source) -> Draft:
         policy={"path": src.take(f"{A}.model.path", kind=str),
                 "dtype": src.take(f"{A}.actor.megatron.param_dtype", "bfloat16", kind=str),
                 "trust_remote_code": src.take(f"{A}.model.trust_remote_code", kind=bool)},
-        data={key: number(src.take(f"data.{key}")) for key in DATA},
+        data={key: src.take(f"data.{key}") for key in DATA},
         meshes=meshes,
-        rollout={ours: number(src.take(f"{A}.rollout.{key}")) for key, ours in ROLLOUT_OPTIONS.items()},
-        actor={ours: number(src.take(f"{A}.actor.{key}")) for key, ours in ACTOR_OPTIONS.items()},
-        actor_params={ours: number(src.take(f"{A}.actor.{key}")) for key, ours in ACTOR_PARAMS.items()},
+        rollout={ours: src.take(f"{A}.rollout.{key}") for key, ours in ROLLOUT_OPTIONS.items()},
+        actor={ours: src.take(f"{A}.actor.{key}") for key, ours in ACTOR_OPTIONS.items()},
+        actor_params={ours: src.take(f"{A}.actor.{key}") for key, ours in ACTOR_PARAMS.items()},
         advantage={"estimator": estimator, "norm_by_std": src.take("algorithm.norm_adv_by_std_in_grpo", kind=bool),
-                   "gamma": number(src.take("algorithm.gamma")), "lam": number(src.take("algorithm.lam"))},
+                   "gamma": src.take("algorithm.gamma"), "lam": src.take("algorithm.lam")},
         trainer={ours: src.take(f"trainer.{key}") for key, ours in TRAINER.items()} | {"logger": _loggers(src)},
     )
     draft.actor_params["use_kl_loss"] = use_kl_loss or None
     draft.actor_params["policy_loss"] = {"vanilla": None}.get(draft.actor_params["policy_loss"], draft.actor_params["policy_loss"])
-    clip = number(src.take(f"{A}.actor.clip_ratio"))
+    clip = src.take(f"{A}.actor.clip_ratio")
     for side in ("clip_ratio_low", "clip_ratio_high"):
         draft.actor_params[side] = draft.actor_params[side] if draft.actor_params[side] is not None else clip
     _lengths(src, draft)
@@ -120,12 +120,12 @@ def convert(src: Source) -> Draft:
     if src.take(f"{A}.actor.use_dynamic_bsz", False, kind=bool):
         draft.actor["dynamic_micro_batch_tokens"] = src.take(f"{A}.actor.ppo_max_token_len_per_gpu", kind=int)
     if kl_in_reward:
-        draft.reward = {"kl_coef": number(src.take("algorithm.kl_ctrl.kl_coef", 0.001)),
+        draft.reward = {"kl_coef": src.take("algorithm.kl_ctrl.kl_coef", 0.001),
                         "kl_estimator": src.take("algorithm.kl_penalty", "kl", kind=str)}
         src.drop("algorithm.kl_ctrl.type", "the KL-in-reward coefficient is fixed here")
     if src.take("reward_model.overlong_buffer.enable", False, kind=bool):
         draft.reward |= {"overlong_buffer_len": src.take("reward_model.overlong_buffer.len", kind=int),
-                         "overlong_penalty_factor": number(src.take("reward_model.overlong_buffer.penalty_factor"))}
+                         "overlong_penalty_factor": src.take("reward_model.overlong_buffer.penalty_factor")}
     for key in ("param_offload", "grad_offload", "optimizer_offload"):  # FSDP's offloads mean the same
         if draft.actor.get(key) is None:
             draft.actor[key] = src.take(f"{A}.actor.fsdp_config.{key}", kind=bool)
@@ -209,6 +209,6 @@ def _critic(src: Source, draft: Draft, devices: int) -> None:
     sizes = _megatron_sizes(src, "critic", devices)
     draft.meshes["critic"] = {"alloc": allocation("megatron", **sizes), "colocate_with": "actor"}
     draft.critic_model = {"path": src.take("critic.model.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
-    draft.critic = {"lr": number(src.take("critic.optim.lr")), "micro_batch_size": src.take("critic.ppo_micro_batch_size_per_gpu", kind=int)}
+    draft.critic = {"lr": src.take("critic.optim.lr"), "micro_batch_size": src.take("critic.ppo_micro_batch_size_per_gpu", kind=int)}
     draft.critic_params = {"mini_batch_size": src.take("critic.ppo_mini_batch_size", draft.actor_params.get("mini_batch_size"), kind=int),
-                           "epochs": src.take("critic.ppo_epochs", kind=int), "cliprange_value": number(src.take("critic.cliprange_value"))}
+                           "epochs": src.take("critic.ppo_epochs", kind=int), "cliprange_value": src.take("critic.cliprange_value")}

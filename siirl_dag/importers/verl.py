@@ -69,11 +69,8 @@ def convert(src: Source) -> Draft:
         src.drop(key, why)
     if src.take(f"{A}.rollout.name", "vllm") != "vllm":
         src.remark(f"{A}.rollout.name", "rollouts run on vLLM here")
-    strategy = src.keys.get(f"{A}.actor.strategy", ("fsdp", None))[0]
-    if strategy == "megatron":
-        src.take(f"{A}.actor.strategy")
-    else:  # verl's default; the same devices as data parallel on Megatron
-        src.take(f"{A}.actor.strategy")
+    strategy = src.take(f"{A}.actor.strategy", "fsdp")  # verl's default
+    if strategy != "megatron":  # the same devices, as data parallel on Megatron
         src.remark(f"{A}.actor.strategy", f"{strategy} becomes Megatron here, data parallel over the same devices")
         src.drop_under(f"{A}.actor.fsdp_config", f"the actor runs on Megatron here, not {strategy}")
     actor_sizes = _megatron_sizes(src, f"{A}.actor", devices)

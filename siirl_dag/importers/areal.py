@@ -38,6 +38,7 @@ def convert(src: Source) -> Draft:
     for key, why in NO_COUNTERPART.items():
         src.drop_under(key, why)
     meshes, world, server = _meshes(src)
+    experiment = src.take("experiment_name")
     per_node = src.take("cluster.n_gpus_per_node", 8, kind=int)
     nodes = src.take("cluster.n_nodes", -(-world // per_node), kind=int)
     batch = src.take("train_dataset.batch_size", kind=int)
@@ -49,7 +50,7 @@ def convert(src: Source) -> Draft:
     optim = "actor.optimizer"
     betas = [src.take(f"{optim}.beta1", 0.9), src.take(f"{optim}.beta2", 0.999)]
     draft = Draft(
-        name=str(src.take("experiment_name", Path(src.file).stem)).replace("_", "-"),
+        name=str(experiment or Path(src.file).stem).replace("_", "-"),
         cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
         policy={"path": src.take("actor.path", kind=str), "dtype": src.take("actor.dtype", kind=str)},
         data={"train_files": src.take("train_dataset.path"), "val_files": src.take("valid_dataset.path"),
@@ -66,7 +67,7 @@ def convert(src: Source) -> Draft:
                "lr_decay_style": DECAY.get(src.take(f"{optim}.lr_scheduler_type")),
                "dynamic_micro_batch_tokens": src.take("actor.mb_spec.max_tokens_per_mb", kind=int)},
         trainer={"total_epochs": src.take("total_train_epochs", kind=int), "seed": src.take("seed", kind=int),
-                 "experiment_name": src.keys.get("experiment_name", (None,))[0],
+                 "experiment_name": experiment,
                  "save_freq": src.take("saver.freq_steps", kind=int), "test_freq": src.take("evaluator.freq_steps", kind=int),
                  "resume_mode": {"disabled": "disable"}.get(src.take("recover.mode"), "auto")},
     )

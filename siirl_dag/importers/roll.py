@@ -41,7 +41,8 @@ def convert(src: Source) -> Draft:
         src.drop_under(key, why)
     per_node = src.take("num_gpus_per_node", 8, kind=int)
     n = src.take("num_return_sequences_in_group", 1, kind=int)
-    devices, meshes = _meshes(src)
+    devices, meshes, actor_dp = _meshes(src)
+    experiment = src.take("exp_name")
     top = {"trainer": {}, "data": {}, "actor_params": {}}
     for key, (part, ours) in TOP.items():
         top[part][ours] = src.take(key)
@@ -54,22 +55,21 @@ def convert(src: Source) -> Draft:
         src.drop_under("reference", "no reference log-probs are needed (neither use_kl_loss nor add_token_level_kl)")
     resume = src.take("resume_from_checkpoint", False)
     draft = Draft(
-        name=str(src.take("exp_name", Path(src.file).stem)).replace("_", "-"),
+        name=str(experiment or Path(src.file).stem).replace("_", "-"),
         cluster={"nodes": -(-max(devices + [0]) // per_node) if devices else 1, "devices_per_node": per_node, "device": "cuda"},
         policy={"path": src.take("pretrain", kind=str), "dtype": DTYPES.get(src.take("actor_train.model_args.dtype", "bf16"), "bfloat16")},
         data=top["data"] | {"train_files": src.take("actor_train.data_args.file_name"),
                             "val_files": src.take("validation.data_args.file_name")},
-        meshes={name: meshes[name] for name in ("actor", "gen", "ref") if name in meshes},
-        trainer=top["trainer"] | {"experiment_name": src.keys.get("exp_name", (None,))[0],
+        meshes=meshes,
+        trainer=top["trainer"] | {"experiment_name": experiment,
                                   "resume_mode": "disable" if resume is False else ("resume_path" if resume else None),
                                   "resume_from_path": resume if isinstance(resume, str) else None,
                                   "logger": ["console", "tensorboard"] if src.take("track_with") == "tensorboard" else None},
         actor_params=top["actor_params"] | {"use_kl_loss": use_kl_loss or None},
         reward={"kl_coef": kl_coef or None},
     )
-    src.take("exp_name")
     _advantage(src, draft)
-    _actor(src, draft, meshes.get("_actor_dp", 1), n)
+    _actor(src, draft, actor_dp, n)
     _rollout(src, draft, n)
     if "ref" in draft.meshes:
         draft.ref = _megatron_options(src, "reference") | {"micro_batch_size": src.take("reference.infer_batch_size", kind=int)}
@@ -84,9 +84,10 @@ def convert(src: Source) -> Draft:
     return draft
 
 
-def _meshes(src: Source) -> tuple[list[int], dict]:
-    """Each role's allocation over its device list; identical lists colocate with the first role."""
-    meshes, owners, used = {}, {}, []
+def _meshes(src: Source) -> tuple[list[int], dict, int]:
+    """Each role's allocation over its device list (identical lists colocate with the first role), the
+    devices used, and the actor's data-parallel size."""
+    meshes, owners, used, actor_dp = {}, {}, [], 1
     for role, name in ROLES.items():
         if not src.has(f"{role}.device_mapping"):
             continue
@@ -110,7 +111,7 @@ def _meshes(src: Source) -> tuple[list[int], dict]:
             continue
         alloc = allocation(backend, len(devices) // replica, **sizes)
         if role == "actor_train":
-            meshes["_actor_dp"] = len(devices) // replica
+            actor_dp = len(devices) // replica
         key = tuple(sorted(devices))
         if key in owners:
             meshes[name] = {"alloc": alloc, "colocate_with": owners[key]}
@@ -122,7 +123,7 @@ def _meshes(src: Source) -> tuple[list[int], dict]:
             owners[key] = name
             used += devices
             meshes[name] = {"alloc": alloc, "devices": _span(sorted(devices))}
-    return used, meshes
+    return used, meshes, actor_dp
 
 
 def _span(devices: list[int]) -> str | list[int]:

@@ -146,8 +146,7 @@ class RayBackend:
             init_ray(self.address, int(max(os.cpu_count() or 1, cluster.total * cpr + 1)), log_to_driver=not self.log_dir)
             self.started_ray = True
         self.machines = machines.choose(ray.nodes(), cluster, cpr, ray.get_runtime_context().get_node_id())
-        bundle = {"GPU": 1, "CPU": 1} if cluster.device == "cuda" else {"CPU": cpr}
-        n = cluster.devices_per_node
+        bundle, n = machines.bundle(cluster, cpr), cluster.devices_per_node
         self.groups = [placement_group([dict(bundle)] * n, strategy="STRICT_PACK",
                                        bundle_label_selector=[{machines.NODE_LABEL: m.node_id}] * n) for m in self.machines]
         ray.get([pg.ready() for pg in self.groups], timeout=120)

@@ -15,9 +15,9 @@ from typing import Iterable
 import networkx as nx
 
 from siirl_dag.errors import PipelineError
-from siirl_dag.runtime import machines
 from siirl_dag.graph import SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
+from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces

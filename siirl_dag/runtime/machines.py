@@ -38,10 +38,14 @@ class Machine:
         return f"machine {self.index} (Ray node {self.node_id[:8]} at {self.address})"
 
 
+def bundle(cluster, cpus_per_rank: float) -> dict[str, float]:
+    """The resources one rank's device takes: a GPU and a CPU, or `cpus_per_rank` CPUs."""
+    return {"GPU": 1, "CPU": 1} if cluster.device == "cuda" else {"CPU": cpus_per_rank}
+
+
 def room(cluster, cpus_per_rank: float) -> dict[str, float]:
     """The resources one machine's devices take on a node."""
-    n = cluster.devices_per_node
-    return {"GPU": n, "CPU": n} if cluster.device == "cuda" else {"CPU": n * cpus_per_rank}
+    return {k: v * cluster.devices_per_node for k, v in bundle(cluster, cpus_per_rank).items()}
 
 
 def choose(nodes: list[dict], cluster, cpus_per_rank: float, driver_node: str | None) -> list[Machine]:

@@ -54,7 +54,6 @@ class Trainer:
         t, d = pipe.trainer, pipe.data
         project, experiment = t.project_name or pipe.name, t.experiment_name or "default"
         self.out_dir = Path("outputs") / project / experiment
-        self._tokenizer = None  # the responses' (trainer.log_trajectories), loaded at first use
         self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
         self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
         self.log_dir = Path(t.log_dir or self.out_dir / "logs")  # each run logs into a folder of its own there
@@ -255,11 +254,9 @@ class Trainer:
         return {f"val-core/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
 
     def _response_tokenizer(self):
-        """The tokenizer of the model that writes `responses` (loaded once)."""
-        if self._tokenizer is None:
-            writer = next(n for n in self.pipe.nodes.values() if "responses" in self.pipe.produces(n.id))
-            self._tokenizer = self.pipe.models[writer.model].load_tokenizer()
-        return self._tokenizer
+        """The tokenizer of the model that writes `responses` (ModelSpec loads it once per process)."""
+        writer = next(n for n in self.pipe.nodes.values() if "responses" in self.pipe.produces(n.id))
+        return self.pipe.models[writer.model].load_tokenizer()
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _state(self) -> dict:

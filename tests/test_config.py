@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from siirl_dag.config import load_pipeline
+from siirl_dag.config import load_pipeline, schedule
 from siirl_dag.config.roll_compat import parse_device_list
 from siirl_dag.errors import ConfigError, format_path
 
@@ -777,6 +777,17 @@ def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
     assert p.path == ("runtime", "schedule") and "with dynamic sampling" in p.message
     pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
     assert pipe.runtime.schedule == "one_step_off"
+
+
+def test_async_takes_any_staleness_and_refuses_shared_devices(tmp_path):
+    for k in (0, 2):  # 0: the sync schedule's order
+        pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=async", f"runtime.staleness={k}"])
+        assert (pipe.runtime.schedule, schedule.depth(pipe.runtime)) == ("async", k)
+    colocated = BASE.replace("gen: vllm:d1", "gen: {alloc: 'vllm:d2', colocate_with: train}")
+    (p,) = problems(tmp_path, colocated, ["runtime.schedule=async", "runtime.staleness=2"])
+    assert p.path == ("nodes", 0, "mesh") and "runs ahead under async" in p.message
+    (p,) = problems(tmp_path, BASE, ["runtime.schedule=asynchronous"])
+    assert p.path == ("runtime", "schedule") and "'async'" in p.message
 
 
 def test_log_probs_at_another_temperature_than_the_rollout_are_warned_at_their_line():

@@ -1,6 +1,7 @@
-"""runtime.schedule: one_step_off through the real stack: the next step's rollout runs while this
-step trains, samples are never more than runtime.staleness versions old, and a run stopped at a
-checkpoint and resumed gives the same metrics as one that was not."""
+"""runtime.schedule one_step_off and async through the real stack: the rollout generates ahead while
+a step trains, samples are never more than runtime.staleness versions old, async with staleness 0 is
+the sync schedule, and a run stopped at a checkpoint with batches in flight and resumed gives the
+same metrics as one that was not."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from siirl_dag.visualize import timeline
 from test_e2e import QUICK, SEPARATE, launch, parsed
 
 ONE_STEP_OFF = ("runtime.schedule=one_step_off", "runtime.staleness=1", *QUICK)
+ASYNC_2 = ("runtime.schedule=async", "runtime.staleness=2", *QUICK)
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/ppo_kl")
 
 
 def test_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):
@@ -58,15 +61,49 @@ def check_trace(path):
     assert any(ahead["ts"] < s["ts"] + s["dur"] and s["ts"] < ahead["ts"] + ahead["dur"] for s in training)
 
 
-def test_one_step_off_resume_is_exact(tmp_path, tiny_model_dir, demo_data):
+def test_async_runs_two_batches_ahead_through_ray(tmp_path, tiny_model_dir, demo_data):
+    steps = parsed(launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "ray", "trainer.total_steps=5", *ASYNC_2))["steps"]
+    # batches 2 and 3 are generated with the first weights while step 1 trains: step 3 trains on
+    # samples two versions old, the bound; every sample was checked against it as its step began
+    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 2]
+    assert all(steps[s]["async/staleness/max"] <= 2 for s in steps)
+    assert steps["2"]["async/queued"] >= 1  # a batch still waiting when step 2 took its own
+    assert all(steps[s]["actor/grad_norm"] > 0 for s in steps)
+
+
+def test_async_with_staleness_zero_is_the_sync_schedule(tmp_path, tiny_model_dir, demo_data):
+    two = ("trainer.total_steps=2", *QUICK)
+    sync = parsed(launch(tmp_path / "sync", tiny_model_dir, demo_data, SEPARATE, 2, "local", *two))["steps"]
+    zero = parsed(launch(tmp_path / "async", tiny_model_dir, demo_data, SEPARATE, 2, "local", *two,
+                         "runtime.schedule=async", "runtime.staleness=0"))["steps"]
+    for step in ("1", "2"):
+        assert zero[step]["async/staleness/max"] == 0
+        for key in COMPARED:
+            assert zero[step][key] == sync[step][key], (step, key)
+
+
+def test_async_resume_with_batches_in_flight_is_exact(tmp_path, tiny_model_dir, demo_data):
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
-    four = ("trainer.total_steps=4", "trainer.save_freq=2", *ONE_STEP_OFF)
+    four = ("trainer.total_steps=4", "trainer.save_freq=2", *ASYNC_2)
     straight = parsed(launch(straight_dir, tiny_model_dir, demo_data, SEPARATE, 2, "local", *four))
+    saved = straight_dir / "ckpt" / "global_step_2"
+    assert json.loads((saved / "trainer_state.json").read_text())["in_flight"] == [3, 4]
     shutil.copytree(straight_dir / "ckpt", resumed_dir / "ckpt")
     shutil.rmtree(resumed_dir / "ckpt" / "global_step_4")
+    # bad input, refused before any process starts: a schedule that runs less far ahead, a damaged batch
+    res = launch(resumed_dir, tiny_model_dir, demo_data, SEPARATE, 2, "local", *four, "runtime.staleness=1")
+    said = res.stdout + res.stderr  # --json: the errors are the document
+    assert res.returncode == 2 and "Traceback" not in said
+    assert "runtime.staleness" in said and "holds 2 batch(es) generated ahead" in said
+    damaged = resumed_dir / "ckpt" / "global_step_2" / "in_flight" / "4.safetensors"
+    kept = damaged.read_bytes()
+    damaged.write_bytes(kept[:100])
+    res = launch(resumed_dir, tiny_model_dir, demo_data, SEPARATE, 2, "local", *four)
+    said = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in said and "4.safetensors is unreadable" in said
+    damaged.write_bytes(kept)
     resumed = parsed(launch(resumed_dir, tiny_model_dir, demo_data, SEPARATE, 2, "local", *four))
     assert set(resumed["steps"]) == {"3", "4"}
     for step in ("3", "4"):
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean",
-                    "async/staleness/max"):
+        for key in (*COMPARED, "async/staleness/max"):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)

@@ -178,7 +178,7 @@ def test_areal_per_engine_backends_and_inheritance(tmp_path, capsys):
     assert doc["meshes"]["gen"] == "vllm:d4t2" and doc["meshes"]["actor"] == "megatron:d8"
     assert "ref" not in doc["meshes"]  # kl_ctl 0: no reference needed, and said so
     assert node(doc, "advantage")["params"] == {"estimator": "gae", "gamma": 1.0, "lam": 0.95}
-    assert doc["runtime"] == {"schedule": "one_step_off", "staleness": 2}  # max_head_offpolicyness
+    assert doc["runtime"] == {"schedule": "async", "staleness": 2}  # max_head_offpolicyness
     assert node(doc, "actor_update")["params"]["rollout_is"] == "token"  # decoupled loss
     differences = {x["key"] for x in report["differences"]}
     assert {"rollout.backend", "actor.backend", "rollout.max_head_offpolicyness"} <= differences

@@ -154,7 +154,7 @@ class TrainerSpec:
 class RuntimeSpec:
     backend: str
     address: str | None
-    schedule: str  # sync | one_step_off (config.schedule)
+    schedule: str  # sync | one_step_off | async (config.schedule)
     staleness: int
     weight_sync_path: str  # auto, shared_memory or process_group (weight_sync.routes)
     verify_sync: bool

@@ -1,8 +1,12 @@
-"""`runtime.schedule`: which part of a step runs ahead, and what a schedule needs of the meshes.
+"""`runtime.schedule`: which part of a step runs ahead, how far, and what a schedule needs of the meshes.
 
-one_step_off: the rollouts (the nodes that take weights from a trainer) and their ancestors generate
-the next step's samples while this step trains, so both sides must own their devices, and a sample
-trains one weight version after the one that generated it (runtime.staleness >= 1).
+The rollouts (the nodes that take weights from a trainer) and their ancestors are the generating
+side; they run ahead of the rest, the training side, into a queue of generated batches:
+- one_step_off: one batch ahead, generated while the step before it trains; a sample trains one
+  weight version after the one that generated it (runtime.staleness >= 1).
+- async: up to runtime.staleness batches ahead, as far as the bound lets the rollouts' weights lag
+  (0: the sync schedule's order, one side at a time).
+Both sides must own their devices to overlap.
 """
 
 from __future__ import annotations
@@ -13,18 +17,23 @@ from siirl_dag.errors import Problem
 
 
 def ahead_nodes(pipe) -> frozenset:
-    """The nodes that run a step ahead under one_step_off: every weights_from consumer and its ancestors."""
+    """The nodes that run ahead: every weights_from consumer and its ancestors."""
     rollouts = [n.id for n in pipe.nodes.values() if n.weights_from]
     return frozenset(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
 
 
+def depth(runtime) -> int:
+    """How many batches the generating side may run ahead of the one training (0: none)."""
+    return {"sync": 0, "one_step_off": 1}.get(runtime.schedule, runtime.staleness)
+
+
 def problems(pipe) -> list[Problem]:
-    """What one_step_off cannot run (each at the key to change)."""
+    """What one_step_off and async cannot run (each at the key to change)."""
     rt = pipe.runtime
     if rt.schedule == "sync":
         return []
     out = []
-    if rt.staleness < 1:
+    if rt.schedule == "one_step_off" and rt.staleness < 1:
         out.append(Problem(("runtime", "staleness"), f"{rt.staleness}: under schedule {rt.schedule} a sample trains "
                            "one weight version after the one that generated it; expected runtime.staleness >= 1"))
     ahead = ahead_nodes(pipe)
@@ -39,7 +48,7 @@ def problems(pipe) -> list[Problem]:
     devices = lambda ids: {d for n in ids if pipe.nodes[n].mesh for d in pipe.plan.meshes[pipe.nodes[n].mesh].devices}  # noqa: E731
     shared = devices(ahead) & devices(set(pipe.nodes) - ahead)
     for n in sorted(n for n in ahead if pipe.nodes[n].mesh and devices([n]) & shared):
-        out.append(Problem(pipe.node_path(n) + ("mesh",), f"'{n}' runs a step ahead under {rt.schedule}, but its "
+        out.append(Problem(pipe.node_path(n) + ("mesh",), f"'{n}' runs ahead under {rt.schedule}, but its "
                            f"mesh '{pipe.nodes[n].mesh}' shares devices {sorted(devices([n]) & shared)} with the "
                            "training side, so the two cannot overlap; expected meshes on devices of their own "
                            "(no colocate_with), or schedule sync"))

@@ -5,7 +5,7 @@ The devices come from the per-engine `backend` strings (`rollout.backend: sglang
 its devices) or the legacy `allocation_mode` (`sglang:d4+megatron:d4`). The strings are AReaL's
 allocation syntax, which ours extends, so they carry over as written; SGLang becomes vLLM and FSDP or
 Archon becomes Megatron on the same devices. AReaL is asynchronous: `max_head_offpolicyness: N`
-becomes `runtime.schedule: one_step_off` with `staleness: N`.
+becomes `runtime.schedule: async` with `staleness: N`.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def _rollout_engine(src: Source, draft: Draft, server: str) -> None:
 def _asynchrony(src: Source, draft: Draft) -> None:
     stale = src.take("rollout.max_head_offpolicyness", 0, kind=int)
     if stale:
-        draft.runtime = {"schedule": "one_step_off", "staleness": stale}
-        src.remark("rollout.max_head_offpolicyness", f"becomes one_step_off with staleness {stale}: the next step's "
-                                                     "rollout runs while this one trains (samples one version old)")
+        draft.runtime = {"schedule": "async", "staleness": stale}
+        src.remark("rollout.max_head_offpolicyness", f"becomes schedule async with staleness {stale}: the rollout runs "
+                                                     f"up to {stale} batches ahead of the training; a generation is "
+                                                     "not interrupted by new weights (no partial rollouts here)")
     src.drop_under("rollout", "AReaL's rollout controller; the rollout node's options cover generation")

@@ -19,7 +19,7 @@ from siirl_dag.graph import SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
-from siirl_dag.runtime.batch import Batch, row_tokens
+from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
 from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
@@ -64,7 +64,7 @@ class _Running:
     calls: list  # per rank: (wire, info) results or refs
     ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
     started: float
-    job: int = 0  # the index of its Job in run_jobs
+    job: int = 0  # the id of its Job (jobs.Jobs)
     remaining: list = field(default_factory=list)  # info refs not finished yet (Ray)
 
 
@@ -207,39 +207,12 @@ class Runtime:
         return self.run_jobs([Job(source, step, nodes)], validating)[0]
 
     def run_jobs(self, jobs: list[Job], validating: bool = False) -> list[StepResult]:
-        """Run several batches through their parts of the DAG at once; a mesh runs one node at a time,
-        the earlier job's first."""
-        results, wanted = [], []
-        for job in jobs:
-            result = StepResult(outputs=dict(job.given.outputs) if job.given else {})
-            if job.source is not None:  # the prompts are small: they travel inside the tasks that read them
-                result.outputs[SOURCE] = NodeOutput([Shard(job.source.to_wire(), 0, job.source.num_rows)],
-                                                    set(job.source), job.source.num_rows, row_tokens(job.source))
-            results.append(result)
-            wanted.append(set(self.order) if job.nodes is None else set(job.nodes))
-        pending = [(i, n) for i in range(len(jobs)) for n in self.order if n in wanted[i]]
-        running: dict[tuple[int, str], _Running] = {}
-        busy: set = set()
-        while pending or running:
-            for i, node_id in list(pending):
-                group, result = self._group_of(node_id), results[i]
-                deps_done = all(d in result.outputs or d not in wanted[i] for d in self.pipe.nodes[node_id].deps)
-                if deps_done and group not in busy:
-                    running[i, node_id] = self._dispatch(node_id, result, jobs[i].step, validating, i)
-                    pending.remove((i, node_id))
-                    if group != COMPUTE:
-                        busy.add(group)
-            waiting = [ref for r in running.values() for ref in r.remaining]
-            ready = set(self.backend.wait(waiting)) if waiting else set()
-            for key, run in list(running.items()):
-                run.remaining = [ref for ref in run.remaining if ref not in ready]
-                if not run.remaining:
-                    del running[key]
-                    busy.discard(self._group_of(run.node))
-                    self._collect(run, results[run.job], jobs[run.job].step, validating, running)
-        return results
+        """Run several batches through their parts of the DAG at once (`jobs.Jobs`), until all finish."""
+        from siirl_dag.runtime.jobs import run_all
 
-    def _group_of(self, node_id: str) -> str:
+        return run_all(self, jobs, validating)
+
+    def group_of(self, node_id: str) -> str:
         mesh = self.pipe.nodes[node_id].mesh
         return self._anchor(mesh) if mesh else COMPUTE
 
@@ -252,7 +225,7 @@ class Runtime:
             return SOURCE
         raise KeyError(f"no output holds '{key}' for node '{node_id}'")
 
-    def _dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0) -> _Running:
+    def dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0) -> _Running:
         pipe, outputs = self.pipe, result.outputs
         owners: dict[str, list[str]] = {}
         # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
@@ -291,7 +264,7 @@ class Runtime:
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
         return next((up for up in self.upstream[node_id] if up in outputs and outputs[up].rows), SOURCE)
 
-    def _collect(self, run: _Running, result: StepResult, step: int, validating: bool, running: dict) -> None:
+    def finish(self, run: _Running, result: StepResult, step: int, validating: bool, running: dict) -> None:
         try:
             infos = self.backend.get([c[1] for c in run.calls])
         except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
@@ -304,7 +277,7 @@ class Runtime:
         if self.trace is not None:  # a span per rank, on the rank's own clock; `step` as the metrics number it
             logged = step if validating else step + 1  # (validation after step k is logged at k)
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):
-                self.trace.span(self._group_of(run.node), f"rank {rank}", run.node, *info["span"], step=logged, dp_rank=dp,
+                self.trace.span(self.group_of(run.node), f"rank {rank}", run.node, *info["span"], step=logged, dp_rank=dp,
                                 rows=info["rows"], validating=validating,
                                 weights_version=self.versions.get(run.node, info["weights_version"]))
         mesh = self.pipe.nodes[run.node].mesh
@@ -332,8 +305,8 @@ class Runtime:
         if tries < node.retry_limit:
             self.attempts[run.node] = tries + 1
             if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
-                self._restart_group(self._group_of(run.node), step)
-            running[run.job, run.node] = self._dispatch(run.node, result, step, validating, run.job)
+                self._restart_group(self.group_of(run.node), step)
+            running[run.job, run.node] = self.dispatch(run.node, result, step, validating, run.job)
             return
         if isinstance(cause, NodeError):
             raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"
@@ -358,13 +331,13 @@ class Runtime:
         Rebuilt engines load the model from disk. A rollout engine is then brought back to its
         trainer's weights; a trainer that had already updated its weights cannot be brought back
         (its optimizer state died with it), so that is an error naming the way to resume."""
-        lost = {n: v for n, v in self.versions.items() if v and self._group_of(n) == group}
+        lost = {n: v for n, v in self.versions.items() if v and self.group_of(n) == group}
         if lost:
             names = ", ".join(f"'{n}' ({v} update{'s' if v > 1 else ''})" for n, v in lost.items())
             raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
                                 f"{names}; restarting it would silently start from the initial weights. Resume "
                                 "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
-        for dst in [d for d in self.sync_paths if group in (self._group_of(d), self._group_of(self.pipe.nodes[d].weights_from))]:
+        for dst in [d for d in self.sync_paths if group in (self.group_of(d), self.group_of(self.pipe.nodes[d].weights_from))]:
             self.sync_paths.pop(dst).close()  # its pipe has members that die now
         old = self.workers[group]
         for w in old:
@@ -375,7 +348,7 @@ class Runtime:
         if group != COMPUTE:
             self._init_group(new)
         self._add_roles(new)
-        behind = [dst for dst in self.synced if self._group_of(dst) == group]
+        behind = [dst for dst in self.synced if self.group_of(dst) == group]
         for dst in behind:
             self.synced[dst] = NOT_SYNCED
         if behind:

@@ -1,6 +1,7 @@
 """Checkpoints that survive a crash mid-save: written to a temporary folder, then renamed.
 
-Layout: <dir>/global_step_<k>/{<train node>/ (engine dist checkpoint), trainer_state.json}.
+Layout: <dir>/global_step_<k>/{<train node>/ (engine dist checkpoint), trainer_state.json, and
+in_flight/ (batches generated ahead, `in_flight`)}.
 Only folders with trainer_state.json are complete; resume picks the newest. Pruning to
 max_ckpt_to_keep removes only steps older than the one just saved; the trainer refuses to start
 where a run would overwrite or prune checkpoints that are not its own history.
@@ -90,6 +91,9 @@ def _state_problem(state) -> str | None:
     versions = [n for n, v in state["versions"].items() if not is_count(v)]
     if versions:
         return f"has a weight version that is not a count for {', '.join(versions)}"
+    in_flight = state.get("in_flight", [])  # absent in checkpoints older than one_step_off's
+    if not isinstance(in_flight, list) or not all(is_count(b) for b in in_flight):
+        return "has an in_flight record that is not a list of batch numbers"
     models = state.get("models", {})  # absent in checkpoints older than the record
     if not isinstance(models, dict) or not all(isinstance(m, dict) for m in models.values()):
         return "has a models record that is not a mapping of mappings"

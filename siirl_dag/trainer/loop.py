@@ -11,11 +11,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from siirl_dag.config import schedule
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
 from siirl_dag.graph import phases_of
-from siirl_dag.trainer import checkpoint, refill, trajectories
+from siirl_dag.trainer import checkpoint, in_flight, refill, trajectories
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
@@ -75,13 +74,12 @@ class Trainer:
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
         self.phases = phases_of(pipe)
-        self.ahead_nodes = schedule.ahead_nodes(pipe)
-        self.ahead = None  # one_step_off: (the next step's generated samples, the rollouts' versions then)
         self.models = {n: checkpoint.model_identity(pipe.models[m].hf_config(), pipe.models[m].lora)
                        for n in self.trainers for m in [pipe.nodes[n].model]}
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
         self.resume = Resume(pipe, self.ckpt_dir, self.trainers, self.models, self.loader)
         self.step = self.resume.step
+        self.ahead = None  # one_step_off and async: the generating side running ahead (`ahead.Ahead`), from `fit`
 
     def _drop_overlong_prompts(self) -> None:
         """data.filter_overlong_prompts: leave out the prompts longer than data.max_prompt_length as
@@ -129,9 +127,15 @@ class Trainer:
             return {"steps": {}}
         from siirl_dag.runtime import Runtime
 
+        if self.pipe.runtime.schedule != "sync":
+            from siirl_dag.trainer.ahead import Ahead
+
+            self.ahead = Ahead(self.pipe, self.step, self.total_steps, in_flight.generated(self.resume.in_flight))
         restore = self._restore_engines if self.resume.path else None
         with Runtime(self.pipe, self.address, self.progress, on_built=restore, log_dir=log_dir) as rt:
             self.rt = rt
+            if self.ahead:
+                self.ahead.start(rt)
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
             history: dict = {"steps": {}}
             try:
@@ -143,10 +147,14 @@ class Trainer:
                     metrics = self.train_step()
                     self.step += 1
                     last = self.step == self.total_steps
-                    if self.val_data and ((t.test_freq > 0 and self.step % t.test_freq == 0) or last):
+                    validating = self.val_data and ((t.test_freq > 0 and self.step % t.test_freq == 0) or last)
+                    saving = (t.save_freq > 0 and self.step % t.save_freq == 0) or last
+                    if self.ahead and (validating or saving):  # the rollouts on the trainer's latest weights
+                        metrics.update(self.ahead.drain())
+                    if validating:
                         metrics.update(self.validate())
                         history["val_last"] = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
-                    if (t.save_freq > 0 and self.step % t.save_freq == 0) or last:
+                    if saving:
                         self.progress(f"[trainer] step {self.step}: saving a checkpoint ...")
                         began, wall = time.perf_counter(), time.time()
                         saved = self.save()
@@ -176,20 +184,19 @@ class Trainer:
                 self.rt.trace.driver("load data", began, step=step, prompts=source.num_rows)
             return source
 
-        spans = {}
-        if self.pipe.runtime.schedule == "one_step_off":
-            result, spans, metrics = self._one_step_off(next_source)
-        elif self.phases is None:
-            result, metrics = self.rt.run_step(next_source(), self.step), {}
+        if self.ahead:
+            result, spans, metrics = self.ahead.step(next_source)
         else:
-            result = refill.run_step(self.rt, self.phases, next_source, self.pipe.data.train_batch_size, self.step)
-            metrics = {}
-        spans.update(result.spans)
+            if self.phases is None:
+                result = self.rt.run_step(next_source(), self.step)
+            else:
+                result = refill.run_step(self.rt, self.phases, next_source, self.pipe.data.train_batch_size, self.step)
+            spans, metrics = result.spans, self.rt.sync_weights(self.step + 1)
         metrics.update(result.metrics)
-        metrics.update(self.rt.sync_weights(self.step + 1))
-        elapsed = time.perf_counter() - t0
-        metrics["timing_s/step"] = elapsed
-        for mesh in self.pipe.meshes:  # devices waiting for the other side (what one_step_off overlaps)
+        end = time.perf_counter()
+        elapsed = metrics["timing_s/step"] = end - t0
+        spans = {n: (max(a, t0), min(b, end)) for n, (a, b) in spans.items()}  # this step's share of work run ahead
+        for mesh in self.pipe.meshes:  # devices waiting for the other side (what one_step_off and async overlap)
             on_mesh = [s for n, s in spans.items() if self.pipe.nodes[n.split("#")[0]].mesh == mesh]
             metrics[f"timing_s/idle/{mesh}"] = max(elapsed - _union_length(on_mesh), 0.0)
         busy = _union_length(spans.values())
@@ -198,35 +205,6 @@ class Trainer:
         metrics["perf/throughput"] = sum(tokens) / elapsed / self.pipe.cluster.total
         metrics["training/epoch"] = epoch
         return metrics
-
-    def _one_step_off(self, next_source):
-        """Train on the samples generated a step ago while the rollouts generate the next step's; at a
-        step that saves (and the last) nothing runs ahead, so a checkpoint holds no samples in flight.
-        Returns (this step's result, the spans of both sides, the staleness metrics)."""
-        from siirl_dag.runtime.driver import Job
-
-        rt, t, done, spans = self.rt, self.pipe.trainer, self.step + 1, {}
-        if self.ahead is None:  # the first step, or the first after a save: generate now
-            self.ahead = (rt.run_step(next_source(), self.step, nodes=self.ahead_nodes), dict(rt.synced))
-            spans.update(self.ahead[0].spans)
-        given, generated_with = self.ahead
-        staleness = {src: rt.versions[src] - generated_with[dst] for dst, src in
-                     ((n.id, n.weights_from) for n in self.pipe.nodes.values() if n.weights_from)}
-        if max(staleness.values()) > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
-            raise PipelineError(f"step {done}: samples {max(staleness.values())} weight versions old exceed "
-                                f"runtime.staleness = {self.pipe.runtime.staleness}")
-        jobs = [Job(None, self.step, set(self.pipe.nodes) - self.ahead_nodes, given)]
-        drain = done == self.total_steps or (t.save_freq > 0 and done % t.save_freq == 0)
-        if not drain:
-            jobs.append(Job(next_source(done + 1), done, self.ahead_nodes))
-        now_synced = dict(rt.synced)
-        results = rt.run_jobs(jobs)
-        self.ahead = None if drain else (results[1], now_synced)
-        if not drain:
-            spans.update({f"{n}#ahead": s for n, s in results[1].spans.items()})
-        metrics = {**given.metrics, "async/staleness/mean": sum(staleness.values()) / len(staleness),
-                   "async/staleness/max": max(staleness.values())}
-        return results[0], spans, metrics
 
     def validate(self) -> dict:
         """Greedy rollouts over the validation set; mean score per data source."""
@@ -259,18 +237,19 @@ class Trainer:
         return self.pipe.models[writer.model].load_tokenizer()
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def _state(self) -> dict:
-        return {"step": self.step, "loader": self.loader.state_dict(), "versions": self.rt.versions,
-                "synced": self.rt.synced, "models": self.models}
-
     def save(self) -> Path:
+        state = {"step": self.step, "loader": self.loader.state_dict(), "versions": self.rt.versions,
+                 "synced": self.rt.synced, "models": self.models, "in_flight": []}
+
         def write_engines(folder: Path) -> None:
+            if self.ahead:
+                state["in_flight"] = in_flight.save(folder, list(self.ahead.queue), self.rt.backend.fetch)
             for node in self.trainers:
                 self.rt.engine_call(node, "save_checkpoint", str((folder / node).resolve()))
                 if self.pipe.models[self.pipe.nodes[node].model].lora:  # the adapters, as vLLM and peft load them
                     self.rt.engine_call(node, "save_adapters", str((folder / f"{node}.lora").resolve()))
 
-        return checkpoint.save(self.ckpt_dir, self.step, self._state(), write_engines, self.pipe.trainer.max_ckpt_to_keep)
+        return checkpoint.save(self.ckpt_dir, self.step, state, write_engines, self.pipe.trainer.max_ckpt_to_keep)
 
     def _restore_engines(self, rt) -> None:
         """The engines' side of a resume, run by Runtime.start before its weight sync (which then brings

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from siirl_dag.config import schedule
 from siirl_dag.errors import ConfigError, Problem
-from siirl_dag.trainer import checkpoint
+from siirl_dag.trainer import checkpoint, in_flight
 
 # The data setting behind each loader state field a resume compares: a change there is a setting to
 # put back, not a damaged checkpoint.
@@ -20,10 +21,12 @@ _LOADER_KEYS = {"seed": ("data", "seed"), "shuffle": ("data", "shuffle"), "num_r
 
 class Resume:
     """`path`: the checkpoint the run resumes from (None: a fresh run); `state`: its trainer state;
-    `step`: where the run starts. Positions `loader` as the checkpoint left it."""
+    `step`: where the run starts; `in_flight`: the batches it had generated ahead (`in_flight.read`).
+    Positions `loader` as the checkpoint left it."""
 
     def __init__(self, pipe, ckpt_dir: Path, trainers: list[str], models: dict[str, dict], loader):
         self.pipe, self.ckpt_dir, self.trainers, self.models, self.loader = pipe, ckpt_dir, trainers, models, loader
+        self.in_flight: list = []
         self.path = self._path()
         self.state = self._checked(self.path) if self.path else None
         self.step = self.state["step"] if self.state else 0
@@ -49,6 +52,7 @@ class Resume:
         state = checkpoint.load_state(path, self.key)
         problems = checkpoint.engine_problems(path, self.trainers, self.key)
         problems += self._model_problems(path, state) + self._loader_problems(path, state)
+        problems += self._in_flight_problems(path, state)
         if problems:
             raise self.pipe.located(problems)
         return state
@@ -68,6 +72,22 @@ class Resume:
                                         f"({', '.join(changed)}); expected the model the checkpoint was written from, or a new "
                                         "trainer.experiment_name to start afresh"))
         return problems
+
+    def _in_flight_problems(self, path: Path, state: dict) -> list[Problem]:
+        """The batches generated ahead: readable whole, and no more than this run's schedule runs ahead."""
+        batches, rt = state.get("in_flight", []), self.pipe.runtime
+        try:
+            self.in_flight = in_flight.read(path, batches)
+        except ValueError as exc:
+            return [Problem(self.key, f"batches generated ahead in checkpoint {path}: {exc}; {checkpoint.EXPECTED}",
+                            file=str(path / in_flight.FOLDER))]
+        if len(batches) > schedule.depth(rt):
+            key = ("runtime", "staleness" if rt.schedule == "async" else "schedule")
+            return [Problem(key, f"checkpoint {path} holds {len(batches)} batch(es) generated ahead and not trained yet, "
+                                 f"more than schedule {rt.schedule} (runtime.staleness = {rt.staleness}) runs ahead; "
+                                 f"expected runtime.schedule async with runtime.staleness >= {len(batches)}"
+                                 f"{' (or one_step_off)' if len(batches) == 1 else ''}")]
+        return []
 
     def _loader_problems(self, path: Path, state: dict) -> list[Problem]:
         try:

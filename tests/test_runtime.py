@@ -211,6 +211,32 @@ def test_retry_restarts_a_dead_actor(tmp_path, retries):
                 rt.run_step(prompts(3), step=0)
 
 
+def test_a_batch_whose_process_dies_is_retried_while_another_batch_trains(tmp_path):
+    """async: the generating side dies mid-batch while the training side works on an earlier batch;
+    the retry rebuilds its mesh and re-runs it, and the update in flight is kept."""
+    from siirl_dag.runtime.driver import Job
+    from siirl_dag.runtime.jobs import Jobs
+
+    pipe = pipeline(tmp_path, f"""
+        meshes: {{a: "megatron:d1", b: "megatron:d1"}}
+        nodes:
+          - {{id: gen, kind: t_expand, mesh: a, model: m}}
+          - {{id: flaky, kind: t_flaky, deps: [gen], mesh: a, model: m, retry_limit: 1,
+              params: {{marker: "{tmp_path / 'marker'}"}}}}
+          - {{id: update, kind: t_update, deps: [gen], mesh: b, model: m}}
+        """)
+    with Runtime(pipe) as rt:
+        first = rt.run_step(prompts(2), step=0, nodes={"gen"})
+        jobs = Jobs(rt)
+        training = jobs.submit(Job(None, 0, {"update"}, first))
+        generating = jobs.submit(Job(prompts(3), 1, {"gen", "flaky"}))
+        done = {}
+        while not jobs.idle():
+            done.update(jobs.wait())
+        assert torch.equal(rt.gather(done[generating].outputs["flaky"], ["z"])["z"], torch.tensor([1.0, 101.0, 201.0]))
+        assert "update" in done[training].outputs and rt.versions["update"] == 1 and rt.attempts == {"flaky": 1}
+
+
 def test_a_dead_trainer_is_not_restarted_from_the_initial_weights(tmp_path):
     """After an update the trainer's state lives only in its process: a restart must not hide its loss."""
     pipe = pipeline(tmp_path, f"""

@@ -196,9 +196,11 @@ class Trainer:
         end = time.perf_counter()
         elapsed = metrics["timing_s/step"] = end - t0
         spans = {n: (max(a, t0), min(b, end)) for n, (a, b) in spans.items()}  # this step's share of work run ahead
-        for mesh in self.pipe.meshes:  # devices waiting for the other side (what one_step_off and async overlap)
-            on_mesh = [s for n, s in spans.items() if self.pipe.nodes[n.split("#")[0]].mesh == mesh]
-            metrics[f"timing_s/idle/{mesh}"] = max(elapsed - _union_length(on_mesh), 0.0)
+        devices = {m: set(p.devices) for m, p in self.pipe.plan.meshes.items()}
+        for mesh in self.pipe.meshes:  # its devices waiting, for the other side (what one_step_off and async overlap)
+            on_devices = [s for n, s in spans.items()
+                          if (m := self.pipe.nodes[n.split("#")[0]].mesh) and devices[m] & devices[mesh]]
+            metrics[f"timing_s/idle/{mesh}"] = max(elapsed - _union_length(on_devices), 0.0)
         busy = _union_length(spans.values())
         metrics["timing_s/engine_overhead"] = max(elapsed - busy - metrics.get("timing_s/sync_weights", 0.0), 0.0)
         tokens = max((o.tokens for o in result.outputs.values()), key=lambda tk: sum(tk), default=[])

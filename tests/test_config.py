@@ -790,6 +790,20 @@ def test_async_takes_any_staleness_and_refuses_shared_devices(tmp_path):
     assert p.path == ("runtime", "schedule") and "'async'" in p.message
 
 
+def test_plan_and_the_pictures_show_the_schedule(tmp_path):
+    from siirl_dag.visualize import mermaid
+
+    f = write(tmp_path, BASE)
+    res = run_cli("plan", str(f), "runtime.schedule=async", "runtime.staleness=2")
+    assert res.returncode == 0, res.stderr
+    assert "schedule async: rollout runs up to 2 batches ahead of reward, " in res.stdout
+    js = json.loads(run_cli("plan", str(f), "runtime.schedule=async", "runtime.staleness=2", "--json").stdout)
+    assert js["schedule"] == {"name": "async", "staleness": 2, "ahead": ["rollout"], "depth": 2}
+    assert "schedule" not in run_cli("plan", str(f)).stdout.split("cluster:")[0]
+    drawn = mermaid.graph_mermaid(load_pipeline(f, ["runtime.schedule=one_step_off", "runtime.staleness=1"]))
+    assert '-.->|"weights (one_step_off, ≤ 1 version behind)"|' in drawn
+
+
 def test_log_probs_at_another_temperature_than_the_rollout_are_warned_at_their_line():
     tiny = Path(__file__).resolve().parents[1] / "graphs" / "tiny_grpo_cpu.yaml"
     assert not [w for w in load_pipeline(tiny).warnings if "temperature" in w.message]

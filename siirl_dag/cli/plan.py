@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from siirl_dag.config import load_pipeline
+from siirl_dag.config import load_pipeline, schedule
 from siirl_dag.errors import ConfigError
 from siirl_dag.graph import phases_of
 from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
@@ -45,7 +45,10 @@ def main(args) -> int:
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
                           "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh} for n in pipe.nodes.values()},
                           "memory": pipe.memory.to_json() if pipe.memory else None,
-                          "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings]}, indent=2))
+                          "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings],
+                          "schedule": {"name": pipe.runtime.schedule, "staleness": pipe.runtime.staleness,
+                                       "ahead": sorted(schedule.ahead_nodes(pipe)) if pipe.runtime.schedule != "sync" else [],
+                                       "depth": schedule.depth(pipe.runtime)}}, indent=2))
         return 0
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
@@ -59,6 +62,8 @@ def main(args) -> int:
                   f"{', '.join(sorted(model.lora.targets))}; the base frozen")
     for r in routes_json(pipe):
         print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']}); {r['payload_reason']}")
+    if ahead := schedule.describe(pipe):
+        print(f"  {ahead}")
     phases = phases_of(pipe)
     if phases:
         print("  " + phases.describe(list(pipe.nodes), pipe.data.train_batch_size))

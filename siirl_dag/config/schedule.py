@@ -27,6 +27,24 @@ def depth(runtime) -> int:
     return {"sync": 0, "one_step_off": 1}.get(runtime.schedule, runtime.staleness)
 
 
+def describe(pipe) -> str | None:
+    """What the schedule runs ahead, for `plan` (None: sync)."""
+    rt, ahead = pipe.runtime, ahead_nodes(pipe)
+    if rt.schedule == "sync":
+        return None
+    front, behind = [n for n in pipe.nodes if n in ahead], ", ".join(n for n in pipe.nodes if n not in ahead)
+    bound = f"samples at most {rt.staleness} weight version{'s' if rt.staleness != 1 else ''} old"
+    return (f"schedule {rt.schedule}: {', '.join(front)} run{'s' if len(front) == 1 else ''} up to "
+            f"{depth(rt)} batch{'es' if depth(rt) != 1 else ''} ahead of {behind}; {bound}")
+
+
+def edge_label(runtime) -> str:
+    """The weight-sync edge's label in the pictures."""
+    if runtime.schedule == "sync":
+        return "weights (sync)"
+    return f"weights ({runtime.schedule}, ≤ {runtime.staleness} version{'s' if runtime.staleness != 1 else ''} behind)"
+
+
 def problems(pipe) -> list[Problem]:
     """What one_step_off and async cannot run (each at the key to change)."""
     rt = pipe.runtime

@@ -12,7 +12,7 @@ import subprocess
 import textwrap
 from html import escape
 
-from siirl_dag.config import Pipeline
+from siirl_dag.config import Pipeline, schedule
 from siirl_dag.errors import ConfigError
 from siirl_dag.visualize.diagram import (CLUSTER_BORDER, CLUSTER_FILL, DATA_NODE, DATA_STYLE, EDGE_COLOR, FONT, MUTED,
                                          REFILL_COLOR, WEIGHT_SYNC_COLOR, cluster_caption, data_edges, edge_keys, mesh_caption,
@@ -126,7 +126,8 @@ def graph_dot(pipe: Pipeline) -> str:
         tip = f"{src} -> {dst}: " + (", ".join(keys) or "ordering only")
         lines.append(f"  {quote(src)} -> {quote(dst)} [label={quote(_keys_label(keys))}, tooltip={quote(tip)}];")
     for src, dst in weight_syncs(pipe):
-        lines.append(f"  {quote(src)} -> {quote(dst)} [label=\"weights (sync)\", style=dashed, constraint=false, "
+        lines.append(f"  {quote(src)} -> {quote(dst)} [label={quote(schedule.edge_label(pipe.runtime))}, style=dashed, "
+                     "constraint=false, "
                      f'color="{WEIGHT_SYNC_COLOR}", fontcolor="{WEIGHT_SYNC_COLOR}", penwidth=1.6, '
                      f'tooltip={quote(f"{src} pushes its updated weights to {dst} after every step")}];')
     if refill := refill_edge(pipe):

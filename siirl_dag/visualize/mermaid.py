@@ -6,7 +6,7 @@ Mermaid reserves (`end`, `graph`); every label carries the real name.
 
 from __future__ import annotations
 
-from siirl_dag.config import Pipeline
+from siirl_dag.config import Pipeline, schedule
 from siirl_dag.visualize.diagram import (CLUSTER_BORDER, CLUSTER_FILL, DATA_STYLE, REFILL_COLOR, STRATEGY_STYLES,
                                          WEIGHT_SYNC_COLOR, cluster_caption, data_edges, device_seats, edge_keys,
                                          mesh_caption, mesh_children, mesh_colors, mesh_nodes, refill_edge, weight_syncs)
@@ -50,7 +50,7 @@ def graph_mermaid(pipe: Pipeline) -> str:
     for src, dst in pipe.graph.edges:
         lines.append(f"  {ids[src]}{_arrow(edge_keys(pipe, src, dst))}{ids[dst]}")
     for src, dst in weight_syncs(pipe):
-        lines.append(f'  {ids[src]} -.->|"weights (sync)"| {ids[dst]}')
+        lines.append(f'  {ids[src]} -.->|"{schedule.edge_label(pipe.runtime)}"| {ids[dst]}')
     for key, style in STRATEGY_STYLES.items():
         members = [ids[n.id] for n in pipe.nodes.values() if n.strategy == key]
         if members:

@@ -4,7 +4,7 @@ log-prob, reward, advantage and loss nodes work unchanged: `response_mask` cover
 tokens, and the tools' answers are attended to (`attention_mask`) but never trained on."""
 
 from nodes import agent_loop
-from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit
+from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind, resolve_tool
@@ -43,8 +43,6 @@ def _template_fits(node, pipeline, data) -> list[str]:
            params_schema="agent_rollout", check=_check, check_data=_template_fits, prompt_lengths=_prompt_lengths)
 def agent_rollout(batch, ctx):
     """Trajectories of up to max_turns turns (n per prompt, one greedy in validation)."""
-    import torch
-
     from siirl_dag.strategies.rollout_layout import Sample, pack_batch, prompt_token_ids
 
     ctx.check_weights_version()
@@ -60,6 +58,6 @@ def agent_rollout(batch, ctx):
     trajectories = agent_loop.run(turns, prompts, n, tools, limits, engine.tokenizer, None if ctx.validating else ctx.seed)
     samples = [Sample(t.prompt_index, t.ids, t.logprobs, t.finish_reason, t.mask) for t in trajectories]
     out = pack_batch(prompts, samples, data.max_prompt_length, data.max_response_length, engine.pad_token_id)
-    out["weights_version"] = torch.full((len(samples),), engine.weights_version, dtype=torch.long)
+    out.update(weight_versions(out, data.max_prompt_length, engine.weights_version))
     ctx.metrics.update(agent_loop.metrics(trajectories))
     return ctx.expand(out.pop("sample_index"), out)

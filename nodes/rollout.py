@@ -4,7 +4,8 @@ from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind, resolve_tool
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
-            "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version")
+            "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version",
+            "token_weights_version")
 
 
 def _lengths_fit(node, pipeline) -> list[Problem]:
@@ -74,15 +75,36 @@ def _prompts_fit(node, pipeline, data) -> list[str]:
             "data.filter_overlong_prompts: true"]
 
 
-@node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout",
-           check=_lengths_fit, check_data=_prompts_fit, prompt_lengths=_prompt_lengths)
-def rollout(batch, ctx):
-    """Generate responses; rows are expanded n-fold (samples of one prompt adjacent), each with the
-    version of the weights that generated it."""
+def weight_versions(out: dict, P: int, version: int, earlier=None) -> dict:
+    """`token_weights_version`: each response token's weights, `version` but for the tokens `earlier`
+    (the batch a partial rollout continues) had already; `weights_version`: each sample's oldest."""
     import torch
+
+    tokens = out["attention_mask"][:, P:].bool()
+    versions = tokens.long() * version
+    if earlier is not None:
+        versions = torch.where(earlier["attention_mask"][:, P:].bool(), earlier["token_weights_version"], versions)
+    oldest = torch.where(tokens, versions, torch.iinfo(torch.long).max).min(dim=1).values.clamp(max=version)
+    return {"token_weights_version": versions, "weights_version": oldest}
+
+
+@node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout",
+           check=_lengths_fit, check_data=_prompts_fit, prompt_lengths=_prompt_lengths, resumes=True)
+def rollout(batch, ctx):
+    """Generate responses; rows are expanded n-fold (samples of one prompt adjacent), each token with
+    the version of the weights that generated it (`token_weights_version`; `weights_version`: a
+    sample's oldest). In a partial rollout (runtime.partial_rollout) a call generates a segment of
+    `ctx.segment_tokens`, and the next call, given this node's own output, continues the samples it
+    cut short with the weights held then."""
+    from siirl_dag.strategies.rollout_layout import unpack_batch
 
     ctx.check_weights_version()
     sampling = {"greedy": True} if ctx.validating else {"seed": ctx.seed}
-    out = ctx.engine.generate(batch["raw_prompt"], sampling, ctx.data.max_prompt_length, ctx.data.max_response_length)
-    out["weights_version"] = torch.full((len(out["responses"]),), ctx.engine.weights_version, dtype=torch.long)
-    return ctx.expand(out.pop("sample_index"), out)
+    P, R, version = ctx.data.max_prompt_length, ctx.data.max_response_length, ctx.engine.weights_version
+    if ctx.resuming:
+        out = ctx.engine.resume(*unpack_batch(batch), sampling, P, R, ctx.segment_tokens)
+    else:
+        out = ctx.engine.generate(batch["raw_prompt"], sampling, P, R, max_new_tokens=ctx.segment_tokens)
+    out.update(weight_versions(out, P, version, batch if ctx.resuming else None))
+    index = out.pop("sample_index")
+    return dict(batch.merge(out)) if ctx.resuming else ctx.expand(index, out)

@@ -1,5 +1,5 @@
-"""runtime.schedule, measured: the same pipeline under sync, one_step_off and async (staleness 2),
-one after the other.
+"""runtime.schedule, measured: the same pipeline under sync, one_step_off, async (staleness 2) and
+async with partial rollouts (segments of 4 tokens), one after the other.
 
     python scripts/bench_async.py [--json] [--steps 12] [--pipeline graphs/tiny_grpo_cpu.yaml]
 
@@ -25,7 +25,13 @@ sys.path.insert(0, str(ROOT))
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 
-SCHEDULES = {"sync": 0, "one_step_off": 1, "async": 2}  # schedule -> runtime.staleness
+SCHEDULES = {  # label -> overrides
+    "sync": ["runtime.schedule=sync"],
+    "one_step_off": ["runtime.schedule=one_step_off", "runtime.staleness=1"],
+    "async": ["runtime.schedule=async", "runtime.staleness=2"],
+    "async+partial": ["runtime.schedule=async", "runtime.staleness=2", "runtime.partial_rollout=true",
+                      "runtime.partial_rollout_tokens=4"],
+}
 
 
 def run(path: str, steps: int, schedule: str) -> tuple[list[dict], object]:
@@ -35,8 +41,7 @@ def run(path: str, steps: int, schedule: str) -> tuple[list[dict], object]:
     with tempfile.TemporaryDirectory() as tmp:
         pipe = load_pipeline(path, [f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.logger=[]",
                                     "trainer.save_freq=-1", "trainer.export_hf=false", "data.val_files=null",
-                                    f"runtime.schedule={schedule}", f"runtime.staleness={SCHEDULES[schedule]}",
-                                    f"trainer.default_local_dir={tmp}/ckpt"], for_run=True)
+                                    *SCHEDULES[schedule], f"trainer.default_local_dir={tmp}/ckpt"], for_run=True)
         history = Trainer(pipe, progress=lambda *_: None).fit()
     # the first step generates alone; the last trains alone (nothing left to generate ahead)
     return [history["steps"][s] for s in sorted(history["steps"], key=int)[1:-1]], pipe
@@ -60,10 +65,11 @@ def main() -> None:
         rest = med(sync, "timing_s/step") - rollout
         bound = max(rollout, rest)
         out = {"pipeline": a.pipeline, "steps_measured": len(sync), "rollout_side_s": rollout, "rest_s": rest,
-               "schedules": {name: {"staleness": SCHEDULES[name], "step_s": med(steps, "timing_s/step"),
+               "schedules": {name: {"overrides": SCHEDULES[name], "step_s": med(steps, "timing_s/step"),
                                     "over_bound": med(steps, "timing_s/step") / bound,
                                     "speedup": med(sync, "timing_s/step") / med(steps, "timing_s/step"),
                                     "staleness_max": max(m.get("async/staleness/max", 0) for m in steps),
+                                    "mixed_samples": statistics.mean(m.get("async/partial/mixed", 0.0) for m in steps),
                                     "idle_s": {k.split("/")[-1]: med(steps, k) for k in steps[0] if k.startswith("timing_s/idle/")}}
                              for name, steps in runs.items()}}
     if a.json:
@@ -72,8 +78,9 @@ def main() -> None:
     print(f"rollout side {rollout:.3f} s, rest {rest:.3f} s (medians under sync)")
     for name, r in out["schedules"].items():
         idle = ", ".join(f"{m} {s:.3f} s" for m, s in r["idle_s"].items())
-        print(f"{name:>12} (staleness {r['staleness']}): step {r['step_s']:.3f} s = {r['over_bound']:.2f}x max(rollout, rest), "
-              f"{r['speedup']:.2f}x sync, samples <= {r['staleness_max']} versions old; idle per step: {idle}")
+        print(f"{name:>13}: step {r['step_s']:.3f} s = {r['over_bound']:.2f}x max(rollout, rest), "
+              f"{r['speedup']:.2f}x sync, samples <= {r['staleness_max']} versions old, {r['mixed_samples']:.0%} over two "
+              f"versions or more; idle per step: {idle}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ class NodeKind:
     # driver re-runs it and its ancestors on more prompts until the step is full (trainer/refill.py);
     # its params carry `max_gen_batches`, the rounds a step may take
     filters_rows: bool = False
+    # it continues its own output when run on it (NodeContext.resuming): the segments of a partial rollout
+    resumes: bool = False
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -84,12 +86,13 @@ MEMORY_ESTIMATES: dict[str, str] = {
 
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
-              check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False):
+              check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False,
+              resumes: bool = False):
     """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
-                        params_schema, trains, check, check_data, prompt_lengths, filters_rows)
+                        params_schema, trains, check, check_data, prompt_lengths, filters_rows, resumes)
         fn.node_kind = kind
         if name is not None:
             if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):

@@ -790,6 +790,19 @@ def test_async_takes_any_staleness_and_refuses_shared_devices(tmp_path):
     assert p.path == ("runtime", "schedule") and "'async'" in p.message
 
 
+def test_partial_rollouts_need_a_schedule_that_runs_ahead_and_a_kind_that_resumes(tmp_path):
+    (p,) = problems(tmp_path, BASE, ["runtime.partial_rollout=true"])
+    assert p.path == ("runtime", "partial_rollout") and "expected runtime.schedule one_step_off or async" in p.message
+    pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=async", "runtime.staleness=1",
+                                                 "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=4"])
+    assert "partial rollouts: segments of 4 tokens" in schedule.describe(pipe)
+    agent = Path(__file__).resolve().parents[1] / "graphs" / "tiny_agent_tools_cpu.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(agent, ["runtime.schedule=async", "runtime.staleness=1", "runtime.partial_rollout=true"])
+    (p,) = [p for p in err.value.problems if p.path[-1] == "kind"]
+    assert "(kind agent_rollout) cannot continue its samples in segments" in p.message
+
+
 def test_plan_and_the_pictures_show_the_schedule(tmp_path):
     from siirl_dag.visualize import mermaid
 

@@ -82,6 +82,16 @@ def test_async_with_staleness_zero_is_the_sync_schedule(tmp_path, tiny_model_dir
             assert zero[step][key] == sync[step][key], (step, key)
 
 
+def test_partial_rollouts_take_new_weights_between_segments(tmp_path, tiny_model_dir, demo_data):
+    """Segments of 2 tokens: the update of the step before ends while a batch is half generated, so
+    its samples carry tokens of two weight versions, the older one counted for the bound."""
+    steps = parsed(launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=3", *ONE_STEP_OFF,
+                          "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=2"))["steps"]
+    assert all(steps[s]["async/partial/segments"] >= 2 for s in steps)
+    assert steps["1"]["async/partial/mixed"] == 0 and steps["3"]["async/partial/mixed"] > 0
+    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 1]
+
+
 def test_async_resume_with_batches_in_flight_is_exact(tmp_path, tiny_model_dir, demo_data):
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     four = ("trainer.total_steps=4", "trainer.save_freq=2", *ASYNC_2)

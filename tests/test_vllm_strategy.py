@@ -122,6 +122,24 @@ def test_greedy_is_deterministic_and_matches_hf(vllm_engine, tiny_model_dir):
         assert hf[0, ids.shape[1]:].tolist() == a["responses"][row].tolist()
 
 
+def test_a_rollout_in_segments_is_the_rollout_in_one_go(vllm_engine, tiny_model_dir):
+    """Partial rollouts: segments of 5 tokens, each continued after its prompt and the tokens so far,
+    give greedy's tokens; every token's log-prob is HF's for the sample as a whole."""
+    from siirl_dag.strategies.rollout_layout import PARTIAL, unpack_batch
+
+    whole = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
+    out, segments = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R, max_new_tokens=5), 1
+    assert out["finish_reason"] == [PARTIAL] * 3 and out["response_length"].tolist() == [5] * 3
+    while PARTIAL in out["finish_reason"]:
+        out, segments = vllm_engine.resume(*unpack_batch(out), {"greedy": True}, P, R, 5), segments + 1
+    assert segments == 3 and out["finish_reason"] == whole["finish_reason"]
+    for key in ("prompts", "responses", "attention_mask", "position_ids", "response_length"):
+        assert torch.equal(out[key], whole[key]), key
+    ref = hf_logprobs(hf_model(tiny_model_dir), out)
+    mask = out["response_mask"].bool()
+    assert torch.allclose(out["rollout_logprobs"][mask], ref[mask], atol=1e-3)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_match_hf(vllm_engine, tiny_model_dir, temperature):
     out = vllm_engine.generate(PROMPTS, {"n": 2, "seed": 11, "temperature": temperature}, P, R)

@@ -34,6 +34,8 @@ def describe(pipe) -> str | None:
         return None
     front, behind = [n for n in pipe.nodes if n in ahead], ", ".join(n for n in pipe.nodes if n not in ahead)
     bound = f"samples at most {rt.staleness} weight version{'s' if rt.staleness != 1 else ''} old"
+    if rt.partial_rollout:
+        bound += f"; partial rollouts: segments of {rt.partial_rollout_tokens} tokens, new weights between them"
     return (f"schedule {rt.schedule}: {', '.join(front)} run{'s' if len(front) == 1 else ''} up to "
             f"{depth(rt)} batch{'es' if depth(rt) != 1 else ''} ahead of {behind}; {bound}")
 
@@ -49,8 +51,14 @@ def problems(pipe) -> list[Problem]:
     """What one_step_off and async cannot run (each at the key to change)."""
     rt = pipe.runtime
     if rt.schedule == "sync":
-        return []
+        return [Problem(("runtime", "partial_rollout"), "segments of a batch generated ahead take new weights between "
+                        "them, and schedule sync generates nothing ahead; expected runtime.schedule one_step_off or "
+                        "async, or partial_rollout: false")] if rt.partial_rollout else []
     out = []
+    for n in pipe.nodes.values() if rt.partial_rollout else ():
+        if n.weights_from and not pipe.kinds[n.id].resumes:
+            out.append(Problem(pipe.node_path(n.id) + ("kind",), f"'{n.id}' (kind {n.kind}) cannot continue its samples "
+                               "in segments (runtime.partial_rollout); expected kind rollout, or partial_rollout: false"))
     if rt.schedule == "one_step_off" and rt.staleness < 1:
         out.append(Problem(("runtime", "staleness"), f"{rt.staleness}: under schedule {rt.schedule} a sample trains "
                            "one weight version after the one that generated it; expected runtime.staleness >= 1"))

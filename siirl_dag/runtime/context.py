@@ -26,6 +26,10 @@ class NodeContext:
     seed: int = 0
     samples_per_prompt: int = 1  # rows per prompt this node sees (product of upstream n)
     min_weights_version: int = 0  # the oldest weights this node may use (runtime.staleness)
+    # a partial rollout (runtime.partial_rollout): the tokens this call may add to each sample (None:
+    # to the end), and whether its input is its own earlier output, to continue
+    segment_tokens: int | None = None
+    resuming: bool = False
     metrics: dict = field(default_factory=dict)
 
     @property

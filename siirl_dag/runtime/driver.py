@@ -56,6 +56,9 @@ class Job:
     step: int
     nodes: Iterable[str] | None = None  # None: every node
     given: StepResult | None = None  # outputs of nodes that ran earlier (a rollout run ahead)
+    # a segment of a partial rollout: the tokens a node that generates may add (None: to the end); a
+    # node whose output `given` holds runs on that output, to continue it (`NodeContext.resuming`)
+    segment_tokens: int | None = None
 
 
 @dataclass
@@ -65,6 +68,7 @@ class _Running:
     ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
     started: float
     job: int = 0  # the id of its Job (jobs.Jobs)
+    segment_tokens: int | None = None  # its Job's
     remaining: list = field(default_factory=list)  # info refs not finished yet (Ray)
 
 
@@ -225,12 +229,14 @@ class Runtime:
             return SOURCE
         raise KeyError(f"no output holds '{key}' for node '{node_id}'")
 
-    def dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0) -> _Running:
+    def dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0,
+                 segment_tokens: int | None = None) -> _Running:
         pipe, outputs = self.pipe, result.outputs
-        owners: dict[str, list[str]] = {}
+        resuming = node_id in outputs  # a partial rollout's next segment: its own output in, to continue
+        owners: dict[str, list[str]] = {node_id: sorted(outputs[node_id].keys)} if resuming else {}
         # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
         # per prompt) re-emits so that later nodes read it in their own row space
-        wanted = list(pipe.consumes(node_id)) + [k for k in SOURCE_KEYS if k not in pipe.consumes(node_id)]
+        wanted = [] if resuming else list(pipe.consumes(node_id)) + [k for k in SOURCE_KEYS if k not in pipe.consumes(node_id)]
         for key in wanted:
             owner = self._owner(key, node_id, outputs)
             if owner == SOURCE and key not in outputs[SOURCE].keys:
@@ -256,10 +262,11 @@ class Runtime:
                 inputs.append((keys, [(len(refs) + i, a, b) for i, (_, a, b) in enumerate(parts)]))
                 refs += [ref for ref, _, _ in parts]
             calls.append(self.backend.call(worker, RankWorker.run, node_id, inputs, step, validating,
-                                           (seed_base + role.dp_rank) % (2**31), min_version, *refs, num_returns=2))
+                                           (seed_base + role.dp_rank) % (2**31), min_version, segment_tokens, resuming,
+                                           *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
-        return _Running(node_id, calls, ranks, time.perf_counter(), job, remaining)
+        return _Running(node_id, calls, ranks, time.perf_counter(), job, segment_tokens, remaining)
 
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
         return next((up for up in self.upstream[node_id] if up in outputs and outputs[up].rows), SOURCE)
@@ -306,7 +313,7 @@ class Runtime:
             self.attempts[run.node] = tries + 1
             if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
                 self._restart_group(self.group_of(run.node), step)
-            running[run.job, run.node] = self.dispatch(run.node, result, step, validating, run.job)
+            running[run.job, run.node] = self.dispatch(run.node, result, step, validating, run.job, run.segment_tokens)
             return
         if isinstance(cause, NodeError):
             raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"

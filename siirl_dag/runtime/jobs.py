@@ -69,7 +69,8 @@ class Jobs:
             group, result = self.rt.group_of(node_id), self.results[i]
             deps_done = all(d in result.outputs or d not in self.wanted[i] for d in self.rt.pipe.nodes[node_id].deps)
             if deps_done and group not in self.busy:
-                self.running[i, node_id] = self.rt.dispatch(node_id, result, self.jobs[i].step, self.validating, i)
+                job = self.jobs[i]
+                self.running[i, node_id] = self.rt.dispatch(node_id, result, job.step, self.validating, i, job.segment_tokens)
                 self.pending.remove((i, node_id))
                 if group != COMPUTE:
                     self.busy.add(group)

@@ -112,7 +112,7 @@ class RankWorker:
 
     # -- work -----------------------------------------------------------------------------------
     def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int, min_weights_version: int,
-            *shards):
+            segment_tokens: int | None, resuming: bool, *shards):
         """Assemble this rank's input from shard pieces, run the node, return (wire, info). The shards
         come as top-level arguments, so Ray fetches them before the call (and no reference is borrowed)."""
         role, began = self.roles[node_id], time.time()
@@ -122,7 +122,8 @@ class RankWorker:
             ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
                               tokenizer_model=role.tokenizer_model, step=step, validating=validating, rank=self.rank,
                               dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed,
-                              samples_per_prompt=role.samples_per_prompt, min_weights_version=min_weights_version)
+                              samples_per_prompt=role.samples_per_prompt, min_weights_version=min_weights_version,
+                              segment_tokens=segment_tokens, resuming=resuming)
             out = role.kind.fn(batch, ctx) or {}
             result = _checked(role, batch, out)
         except Exception:  # noqa: BLE001 - report any failure of user code with where it happened

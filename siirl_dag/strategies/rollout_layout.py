@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
+PARTIAL = "partial"  # the finish_reason of a sample a segment of a partial rollout cut short
+
 
 @dataclass
 class Sample:
@@ -19,7 +21,7 @@ class Sample:
     prompt_index: int  # which prompt of the call it answers
     token_ids: Sequence[int]
     logprobs: Sequence[float]  # log-prob of each token of token_ids under the sampler
-    finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+    finish_reason: str  # "stop" (EOS, stop string or stop token), "length", or PARTIAL (to be resumed)
     mask: Sequence[int] | None = None  # 1 where the model generated the token, 0 a tool's (agent rollouts)
 
 
@@ -73,3 +75,13 @@ def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], m
         "finish_reason": [s.finish_reason for s in samples],
         "sample_index": [s.prompt_index for s in samples],
     }
+
+
+def unpack_batch(batch: Any) -> tuple[list[list[int]], list[Sample]]:
+    """`pack_batch`'s rows back as (prompt ids, samples), one prompt per row: a partial rollout's next
+    segment continues them."""
+    lengths, prompt_mask = batch["response_length"].tolist(), batch["prompt_mask"].bool()
+    prompt_ids = [row[mask].tolist() for row, mask in zip(batch["prompts"], prompt_mask)]
+    samples = [Sample(i, batch["responses"][i, :n].tolist(), batch["rollout_logprobs"][i, :n].tolist(),
+                      batch["finish_reason"][i]) for i, n in enumerate(lengths)]
+    return prompt_ids, samples

@@ -23,14 +23,16 @@ from siirl_dag.config import schedule
 from siirl_dag.errors import PipelineError
 from siirl_dag.runtime.driver import Job, StepResult
 from siirl_dag.runtime.jobs import Jobs
+from siirl_dag.strategies.rollout_layout import PARTIAL
 
 
 @dataclass
 class Generated:
-    """A batch the generating side produced, waiting for the step that trains it."""
+    """A batch the generating side produced (or, partial, is producing), waiting for the step that trains it."""
 
     batch: int  # the step that trains it (1: the first)
     result: StepResult
+    segments: int = 1  # the generating jobs it took (runtime.partial_rollout)
 
 
 class Ahead:
@@ -38,10 +40,12 @@ class Ahead:
         self.pipe, self.trained, self.total = pipe, trained, total
         self.depth, self.nodes = schedule.depth(pipe.runtime), schedule.ahead_nodes(pipe)
         self.pairs = [(n.id, n.weights_from) for n in pipe.nodes.values() if n.weights_from]
+        self.segment = pipe.runtime.partial_rollout_tokens if pipe.runtime.partial_rollout else None
         self.queue = deque(in_flight)
         self.next_batch = trained + len(in_flight) + 1
         self.rt = self.jobs = None
-        self.generating: tuple[int, int] | None = None  # (job id, batch)
+        self.generating: tuple[int, Generated | None] | None = None  # (job id, the batch it continues)
+        self.partial: Generated | None = None  # a batch between two segments
         self.training: int | None = None  # job id
 
     def start(self, rt) -> None:
@@ -56,7 +60,9 @@ class Ahead:
         metrics, spans, done = {}, {}, None
         while done is None:
             metrics.update(self._sync_if_idle())
-            if self.training is None and self.queue and self.queue[0].batch == self.trained + 1:
+            # under a partial rollout, new weights wait for the segment running to end, then go first
+            held = self.segment and self.generating is not None and self._lag() > 0
+            if self.training is None and not held and self.queue and self.queue[0].batch == self.trained + 1:
                 given = self.queue.popleft()
                 metrics.update(self._staleness(given))
                 self.training = self.jobs.submit(Job(None, self.trained, set(self.pipe.nodes) - self.nodes, given.result))
@@ -69,10 +75,8 @@ class Ahead:
                     done, self.training = result, None
                     spans.update(result.spans)
                 else:
-                    batch = self.generating[1]
-                    self.queue.append(Generated(batch, result))
-                    self.generating = None
-                    spans.update({f"{n}#{batch}": s for n, s in result.spans.items()})
+                    g = self._generated(result)
+                    spans.update({f"{n}#{g.batch}.{g.segments}": s for n, s in result.spans.items()})
         self.trained += 1
         metrics.update(self._sync_if_idle())
         now = time.perf_counter()
@@ -80,13 +84,17 @@ class Ahead:
         return done, spans, metrics
 
     def drain(self) -> dict:
-        """Let the generation in flight finish into the queue and bring the rollouts to the trainer's
-        weights: before validation and checkpoints. Returns the sync's metrics."""
-        while self.generating is not None:
+        """Let the generation in flight finish into the queue (its later segments on the newest weights)
+        and bring the rollouts to the trainer's weights: before validation and checkpoints. Returns the
+        sync's metrics."""
+        metrics = {}
+        while self.generating is not None or self.partial is not None:
+            if self.generating is None:
+                metrics.update(self._sync_if_idle())
+                self._generate(None)
             for _, result in self.jobs.wait().items():
-                self.queue.append(Generated(self.generating[1], result))
-                self.generating = None
-        return self._sync_if_idle()
+                self._generated(result)
+        return {**metrics, **self._sync_if_idle()}
 
     def _sync_if_idle(self) -> dict:
         if self.training is None and self.generating is None and self._lag() > 0:
@@ -94,19 +102,50 @@ class Ahead:
         return {}
 
     def _generate(self, next_source) -> None:
+        """The next segment of the batch between segments, else a new batch if the bound leaves room."""
+        if self.generating is not None:
+            return
+        if self.partial is not None:
+            g, self.partial = self.partial, None
+            resumed = [dst for dst, _ in self.pairs if PARTIAL in self._column(g.result, dst, "finish_reason")]
+            self.generating = (self.jobs.submit(Job(None, g.batch - 1, resumed, g.result, self.segment)), g)
+            return
         b = self.next_batch
-        if self.generating is None and b <= self.total and b <= self.trained + 1 + self.depth - self._lag():
-            job = self.jobs.submit(Job(next_source(b), b - 1, self.nodes))
-            self.generating, self.next_batch = (job, b), b + 1
+        if b <= self.total and b <= self.trained + 1 + self.depth - self._lag():
+            self.generating = (self.jobs.submit(Job(next_source(b), b - 1, self.nodes, segment_tokens=self.segment)), None)
+            self.next_batch = b + 1
+
+    def _generated(self, result: StepResult) -> Generated:
+        """A generating job's result: its batch queued, or, with samples a segment cut short, held
+        between segments."""
+        (_, before), batch = self.generating, self.next_batch - 1
+        if before is not None:  # a later segment: the batch's metrics from its first
+            result.metrics = {**before.result.metrics, **result.metrics}
+        g = Generated(batch, result) if before is None else Generated(before.batch, result, before.segments + 1)
+        self.generating = None
+        if self.segment and any(PARTIAL in self._column(result, dst, "finish_reason") for dst, _ in self.pairs):
+            self.partial = g
+        else:
+            self.queue.append(g)
+        return g
+
+    def _column(self, result: StepResult, node: str, key: str):
+        return self.rt.gather(result.outputs[node], [key])[key]
 
     def _staleness(self, given: Generated) -> dict:
-        """Every sample's weights against the trainer's now (the version this step updates from)."""
-        lags = []
+        """Every sample's weights against the trainer's now (the version this step updates from): its
+        oldest token's, checked against the bound."""
+        lags, mixed = [], []
         for dst, src in self.pairs:
-            versions = self.rt.gather(given.result.outputs[dst], ["weights_version"])["weights_version"]
+            versions = self._column(given.result, dst, "weights_version")
             lags += (self.rt.versions[src] - versions).tolist()
+            if self.segment:  # samples whose tokens came from more than one weight version
+                mixed += (self._column(given.result, dst, "token_weights_version").max(dim=1).values > versions).tolist()
         if max(lags) > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
             raise PipelineError(f"step {given.batch}: samples {max(lags)} weight versions old exceed "
                                 f"runtime.staleness = {self.pipe.runtime.staleness}")
-        return {**given.result.metrics, "async/staleness/mean": sum(lags) / len(lags), "async/staleness/max": max(lags),
-                "async/queued": len(self.queue)}
+        metrics = {**given.result.metrics, "async/staleness/mean": sum(lags) / len(lags), "async/staleness/max": max(lags),
+                   "async/queued": len(self.queue)}
+        if self.segment:
+            metrics.update({"async/partial/segments": given.segments, "async/partial/mixed": sum(mixed) / len(mixed)})
+        return metrics

@@ -33,7 +33,7 @@ def save(folder: Path, queue: list, fetch: Callable[[Any], dict]) -> list[int]:
                                "dtypes": {k: dtype for k, (_, dtype) in wire["tensors"].items()}})
             outputs[node] = {"keys": sorted(out.keys), "rows": out.rows, "tokens": out.tokens, "shards": shards}
         safetensors.numpy.save_file(arrays, str(folder / FOLDER / f"{g.batch}.safetensors"))
-        record = {"batch": g.batch, "metrics": g.result.metrics, "outputs": outputs}
+        record = {"batch": g.batch, "segments": g.segments, "metrics": g.result.metrics, "outputs": outputs}
         (folder / FOLDER / f"{g.batch}.json").write_text(json.dumps(record))
     return [g.batch for g in queue]
 
@@ -42,7 +42,7 @@ _COUNT = {"type": "integer", "minimum": 0}
 _RECORD = {  # what `save` writes in <batch>.json, checked before the tensors are read
     "type": "object", "required": ["batch", "metrics", "outputs"],
     "properties": {
-        "batch": _COUNT, "metrics": {"type": "object"},
+        "batch": _COUNT, "segments": _COUNT, "metrics": {"type": "object"},
         "outputs": {"type": "object", "additionalProperties": {
             "type": "object", "required": ["keys", "rows", "tokens", "shards"],
             "properties": {
@@ -99,5 +99,6 @@ def generated(records: list[tuple[dict, dict]]) -> list:
             shards = [Shard({"tensors": {k: (arrays[f"{node}/{i}/{k}"], dtype) for k, dtype in s["dtypes"].items()},
                              "meta": s["meta"]}, s["start"], s["stop"]) for i, s in enumerate(o["shards"])]
             outputs[node] = NodeOutput(shards, set(o["keys"]), o["rows"], o["tokens"])
-        queue.append(Generated(record["batch"], StepResult(metrics=record["metrics"], outputs=outputs)))
+        queue.append(Generated(record["batch"], StepResult(metrics=record["metrics"], outputs=outputs),
+                               record.get("segments", 1)))
     return queue

@@ -26,7 +26,7 @@ from siirl_dag.config.lora import payload
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
-from siirl_dag.strategies.rollout_layout import Sample, pack_batch, prompt_token_ids
+from siirl_dag.strategies.rollout_layout import PARTIAL, Sample, pack_batch, prompt_token_ids
 from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
 from siirl_dag.strategies.vllm.turns import Turns
 
@@ -108,21 +108,20 @@ class VllmRollout(Strategy):
 
     def generate(self, prompts: Sequence[str | Sequence[int] | Sequence[dict]], sampling: dict[str, Any] | None,
                  max_prompt_length: int, max_response_length: int,
-                 chat_template: bool | None = None) -> dict[str, Any]:
+                 chat_template: bool | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
         """Sample responses; rows are prompt-major (the n samples of a prompt are adjacent).
 
         `sampling` overrides the options' sampling keys for this call, and may add `seed`, `greedy` or
         `validate` (options.sampling_kwargs). Text prompts go through the chat template if
         `chat_template` (default: the option), chat lists always, token ids as given. Returns the
         batch-layout tensors plus `finish_reason` and `sample_index` (the prompt each row answers).
+        `max_new_tokens`: a segment of a partial rollout; the samples it cuts short end with
+        finish_reason PARTIAL, and `resume` continues them.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._needs_weights:
-            raise RuntimeError("the engine holds no complete weights (load_format 'dummy', offload() with "
-                               "sleep_level 2, or a weight load that failed part-way): call load_weights "
-                               "before generate")
+        self._check_weights()
         kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
         use_chat = self.options["chat_template"] if chat_template is None else chat_template
         prompt_ids = [prompt_token_ids(self.tokenizer, p, use_chat) for p in prompts]
@@ -131,22 +130,54 @@ class VllmRollout(Strategy):
             shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in bad[:5])
             raise ConfigError([Problem(("data", "max_prompt_length"), f"{len(bad)} prompt(s) empty or too long: {shown}, "
                                        f"expected 1 to max_prompt_length={max_prompt_length}; raise it or filter the data")])
-        seed, n = kw.pop("seed"), kw["n"]
-        base = dict(kw, logprobs=0, detokenize=bool(kw["stop"]))  # only stop strings need the text
+        seed, n, limit = kw.pop("seed"), kw["n"], kw["max_tokens"]
+        # only stop strings need the text
+        base = dict(kw, logprobs=0, detokenize=bool(kw["stop"]), max_tokens=min(limit, max_new_tokens or limit))
         # Seeded: prompt i gets seed + i*n and vLLM gives its samples seed + i*n + j, all distinct.
         params = (SamplingParams(**base) if seed is None
                   else [SamplingParams(**base, seed=seed + i * n) for i in range(len(prompt_ids))])
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
                                     lora_request=self._lora_request)
-        samples = [Sample(i, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], c.finish_reason)
-                   for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)]
+        samples = [_sample(i, (), (), c, limit) for i, out in enumerate(outputs)
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
         return pack_batch(prompt_ids, samples, max_prompt_length, max_response_length, self.pad_token_id)
+
+    def resume(self, prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], sampling: dict[str, Any] | None,
+               max_prompt_length: int, max_response_length: int, max_new_tokens: int | None = None) -> dict[str, Any]:
+        """Continue the samples that end PARTIAL (each after its prompt and the tokens it has, prefilled
+        with the weights held now) by up to `max_new_tokens` more, the others as they are; packed as
+        `generate` packs. Each sample draws from a seed of its own and its length. A stop string that
+        spans two segments is not seen."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_weights()
+        kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
+        seed, limit = kw.pop("seed"), kw["max_tokens"]
+        todo = [i for i, s in enumerate(samples) if s.finish_reason == PARTIAL]
+        params = [SamplingParams(**dict(kw, n=1, logprobs=0, detokenize=bool(kw["stop"]),
+                                        max_tokens=min(limit - len(samples[i].token_ids), max_new_tokens or limit),
+                                        seed=None if seed is None else
+                                        (seed + i * 1_000_003 + len(samples[i].token_ids) * 97) % 2**31))
+                  for i in todo]
+        prompts = [TokensPrompt(prompt_token_ids=[*prompt_ids[samples[i].prompt_index], *samples[i].token_ids])
+                   for i in todo]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request) if todo else []
+        out = list(samples)
+        for i, o in zip(todo, outputs):
+            out[i] = _sample(samples[i].prompt_index, samples[i].token_ids, samples[i].logprobs, o.outputs[0], limit)
+        return pack_batch(prompt_ids, out, max_prompt_length, max_response_length, self.pad_token_id)
+
+    def _check_weights(self) -> None:
+        if self._needs_weights:
+            raise RuntimeError("the engine holds no complete weights (load_format 'dummy', offload() with "
+                               "sleep_level 2, or a weight load that failed part-way): call load_weights "
+                               "before generate")
 
     def turns(self, sampling: dict[str, Any], max_response_length: int, stop: list[str]) -> Turns:
         """Single turns on this engine's step loop, for an agent's trajectories (nodes/agent_loop.py);
         `stop` strings end a turn and stay in its output."""
-        if self._needs_weights:
-            raise RuntimeError("the engine holds no complete weights: call load_weights before generating")
+        self._check_weights()
         return Turns(self.llm.llm_engine, self.options, self._lora_request, sampling, max_response_length, stop)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -215,6 +246,15 @@ class VllmRollout(Strategy):
         leftovers.remove(self._left)
         with contextlib.suppress(OSError):  # another engine of this process may still use it
             os.rmdir(self._sockets)
+
+
+def _sample(index: int, tokens: Sequence[int], logprobs: Sequence[float], completion: Any, limit: int) -> Sample:
+    """The tokens a sample had, then vLLM's completion of them; PARTIAL where the segment stopped it
+    before its own limit (max_tokens)."""
+    new = list(completion.token_ids)
+    total = [*tokens, *new]
+    reason = PARTIAL if completion.finish_reason == "length" and len(total) < limit else completion.finish_reason
+    return Sample(index, total, [*logprobs, *(lp[t].logprob for lp, t in zip(completion.logprobs, new))], reason)
 
 
 def _load_adapters(worker: Any, tensors: dict[str, torch.Tensor], config: dict) -> None:

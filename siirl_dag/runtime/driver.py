@@ -21,15 +21,14 @@ from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
+from siirl_dag.runtime.syncs import NOT_SYNCED, WeightSyncs
 from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
-from siirl_dag.weight_sync.routes import routes
 
 SOURCE = "__source__"
 COMPUTE = "__compute__"
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
-NOT_SYNCED = -1  # a weights_from consumer's version before it got any weights from its trainer
 
 
 @dataclass
@@ -86,16 +85,10 @@ class Runtime:
         # each node's ancestors, nearest (latest in DAG order) first: where its inputs come from
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
         self.attempts: dict[str, int] = {}
-        # weight versions: updates done by each training node, and the version each consumer holds
-        # (NOT_SYNCED: what the consumer loaded itself, if anything; start() brings it to version 0)
+        # weight versions: updates done by each training node, and (`syncs`) the version each consumer holds
         self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
-        self.synced = {n: NOT_SYNCED for n in self.order if pipeline.nodes[n].weights_from}
-        self.routes = routes(pipeline)  # rollout node -> how its weights travel (weight_sync.routes)
-        self.sync_paths: dict = {}  # rollout node -> its weight_sync.path.SyncPath, made at its first sync
-        self.syncs = {n: 0 for n in self.synced}  # syncs done per rollout node (the probe's schedule)
-        # the probe's vocabulary, per rollout node (None: no model config on disk, no probe)
-        self.probe_vocab = {n: (pipeline.models[pipeline.nodes[n].model].hf_config() or {}).get("vocab_size")
-                            for n in self.synced}
+        self.weight_syncs = WeightSyncs(self)
+        self.synced, self.routes = self.weight_syncs.synced, self.weight_syncs.routes
         self.trace = Trace() if pipeline.trainer.trace else None  # trainer.trace: the run's timeline
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -305,7 +298,7 @@ class Runtime:
         result.spans[run.node] = (run.started, end)
 
     def _retry_or_raise(self, run: _Running, exc: Exception, result, step, validating, running) -> None:
-        self._stop_if_machines_lost(step)
+        self.stop_if_machines_lost(step)
         node = self.pipe.nodes[run.node]
         cause = getattr(exc, "cause", None) or exc
         tries = self.attempts.get(run.node, 0)
@@ -321,7 +314,7 @@ class Runtime:
         logs = f" (the ranks' logs: {self.log_dir}/)" if self.log_dir else ""
         raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}{logs}") from None
 
-    def _stop_if_machines_lost(self, step: int) -> None:
+    def stop_if_machines_lost(self, step: int) -> None:
         """A lost machine cannot be replaced mid-run (its ranks' state went with it): stop, naming it."""
         lost = self.backend.lost_machines()
         if not lost:
@@ -344,8 +337,8 @@ class Runtime:
             raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
                                 f"{names}; restarting it would silently start from the initial weights. Resume "
                                 "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
-        for dst in [d for d in self.sync_paths if group in (self.group_of(d), self.group_of(self.pipe.nodes[d].weights_from))]:
-            self.sync_paths.pop(dst).close()  # its pipe has members that die now
+        for dst in [d for d in self.synced if group in (self.group_of(d), self.group_of(self.pipe.nodes[d].weights_from))]:
+            self.weight_syncs.close(dst)  # its pipe has members that die now
         old = self.workers[group]
         for w in old:
             self.backend.kill(w)
@@ -362,81 +355,8 @@ class Runtime:
             self.sync_weights()
 
     def sync_weights(self, step: int = 0) -> dict:
-        """Bring every `weights_from` consumer up to its trainer's latest version (after `step`), each
-        pair along its route (`weight_sync.routes`), through the SyncPath made at its first sync.
-
-        Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
-        `timing_s/sync_weights` is the time of all syncs together."""
-        metrics: dict = {}
-        for dst, have in self.synced.items():
-            src = self.pipe.nodes[dst].weights_from
-            if have >= self.versions[src]:
-                continue
-            t0, began = time.perf_counter(), time.time()
-            try:
-                stats = self._sync_one(src, dst)
-            except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
-                if dst in self.sync_paths:
-                    self.sync_paths.pop(dst).close()  # a part may have stopped half-way: never used again
-                self._stop_if_machines_lost(step)
-                cause = getattr(exc, "cause", None) or exc
-                raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.versions[src]}, path "
-                                    f"{self.routes[dst].path}) failed: {cause}") from None
-            metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + time.perf_counter() - t0
-            prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
-            metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
-            self.synced[dst] = self.versions[src]
-            self.syncs[dst] += 1
-            if self.trace is not None:
-                self.trace.driver(f"sync {src} -> {dst}", began, step=step, version=self.versions[src], path=self.routes[dst].path,
-                                  **{k.removeprefix("sync/"): v for k, v in stats.items()})
-        return metrics
-
-    def _sync_one(self, src: str, dst: str) -> dict:
-        """One pair's sync through its path, with the probe (runtime.probe) when it is due: the trainer's
-        side first, while a colocated trainer still holds the device."""
-        path = self.sync_paths.get(dst) or self._sync_path(dst)
-        every, vocab = self.pipe.runtime.verify_probe_every, self.probe_vocab[dst]
-        if not (vocab and self.pipe.runtime.verify_sync and every and self.syncs[dst] % every == 0):
-            return path.sync(self.versions[src])
-        t0 = time.perf_counter()
-        trainer = self._probe(src, vocab)
-        took = time.perf_counter() - t0
-        stats = path.sync(self.versions[src])
-        t0 = time.perf_counter()
-        stats["sync/probe_diff"] = self._check_probe(src, dst, trainer, vocab)
-        stats["sync/probe_s"] = took + time.perf_counter() - t0
-        return stats
-
-    def _probe(self, node: str, vocab: int) -> list:
-        """Every rank's log-probs of the fixed probe batch (runtime.probe), on `node`'s engine."""
-        from siirl_dag.runtime.probe import probe_batch
-
-        batch = probe_batch(vocab)
-        return self.backend.get([self.backend.call(w, RankWorker.probe_logprobs, role.engine_key, batch)
-                                 for w, role in self.roles[node]])
-
-    def _check_probe(self, src: str, dst: str, trainer: list, vocab: int) -> float:
-        """Every rollout rank's probe against the trainer's (its first rank's: all hold the whole batch)."""
-        from siirl_dag.runtime import probe
-
-        nodes = self.pipe.nodes
-        float32 = not nodes[src].options.get("bf16") and nodes[dst].options.get("dtype") == "float32"
-        return max(probe.check(trainer[0], rollout, float32) for rollout in self._probe(dst, vocab))
-
-    def _sync_path(self, dst: str):
-        """The SyncPath of `dst`'s route, over the ranks as they run now."""
-        from siirl_dag.registry import import_ref
-        from siirl_dag.weight_sync.path import Placed
-        from siirl_dag.weight_sync.routes import TABLE
-
-        src, runtime = self.pipe.nodes[dst].weights_from, self.pipe.runtime
-        placed = Placed(src, dst, self.backend, [(w, r.engine_key) for w, r in self.roles[src]],
-                        [(w, r.engine_key) for w, r in self.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),
-                        runtime.verify_sync, self.pipe.cluster.device, self.routes[dst].payload)
-        row = next(row for row in TABLE if row.name == self.routes[dst].path)
-        self.sync_paths[dst] = import_ref(row.ref)(placed)
-        return self.sync_paths[dst]
+        """Every `weights_from` consumer up to its trainer's latest version (`syncs.WeightSyncs.run`)."""
+        return self.weight_syncs.run(step)
 
     # -- results and teardown -------------------------------------------------------------------
     def collect(self, result: StepResult, keys: Iterable[str], rows: int | None = None) -> Batch:

@@ -1,0 +1,108 @@
+"""The driver's side of weight sync: each `weights_from` consumer brought to its trainer's latest
+version along its route (`weight_sync.routes`), through the SyncPath made at its first sync, with the
+probe (runtime.verify_probe_every) when it is due."""
+
+from __future__ import annotations
+
+import time
+
+from siirl_dag.errors import PipelineError
+from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.routes import routes
+
+NOT_SYNCED = -1  # a weights_from consumer's version before it got any weights from its trainer
+
+
+class WeightSyncs:
+    def __init__(self, runtime):
+        pipe, self.rt = runtime.pipe, runtime
+        # the version each consumer holds (NOT_SYNCED: what it loaded itself, if anything; the runtime's
+        # start brings it to version 0)
+        self.synced = {n: NOT_SYNCED for n in pipe.nodes if pipe.nodes[n].weights_from}
+        self.routes = routes(pipe)  # rollout node -> how its weights travel
+        self.paths: dict = {}  # rollout node -> its weight_sync.path.SyncPath, made at its first sync
+        self.count = {n: 0 for n in self.synced}  # syncs done per rollout node (the probe's schedule)
+        # the probe's vocabulary, per rollout node (None: no model config on disk, no probe)
+        self.probe_vocab = {n: (pipe.models[pipe.nodes[n].model].hf_config() or {}).get("vocab_size")
+                            for n in self.synced}
+
+    def close(self, dst: str) -> None:
+        """Let go of `dst`'s path (it failed, or its ranks are replaced): the next sync makes a new one."""
+        if dst in self.paths:
+            self.paths.pop(dst).close()
+
+    def run(self, step: int = 0) -> dict:
+        """Bring every `weights_from` consumer up to its trainer's latest version (after `step`), each
+        pair along its route (`weight_sync.routes`), through the SyncPath made at its first sync.
+
+        Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
+        `timing_s/sync_weights` is the time of all syncs together."""
+        metrics: dict = {}
+        for dst, have in self.synced.items():
+            src = self.rt.pipe.nodes[dst].weights_from
+            if have >= self.rt.versions[src]:
+                continue
+            t0, began = time.perf_counter(), time.time()
+            try:
+                stats = self._one(src, dst)
+            except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
+                self.close(dst)  # a part may have stopped half-way: never used again
+                self.rt.stop_if_machines_lost(step)
+                cause = getattr(exc, "cause", None) or exc
+                raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.rt.versions[src]}, path "
+                                    f"{self.routes[dst].path}) failed: {cause}") from None
+            metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + time.perf_counter() - t0
+            prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
+            metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
+            self.synced[dst] = self.rt.versions[src]
+            self.count[dst] += 1
+            if self.rt.trace is not None:
+                self.rt.trace.driver(f"sync {src} -> {dst}", began, step=step, version=self.rt.versions[src],
+                                     path=self.routes[dst].path, **{k.removeprefix("sync/"): v for k, v in stats.items()})
+        return metrics
+
+    def _one(self, src: str, dst: str) -> dict:
+        """One pair's sync through its path, with the probe (runtime.probe) when it is due: the trainer's
+        side first, while a colocated trainer still holds the device."""
+        path = self.paths.get(dst) or self._path(dst)
+        every, vocab = self.rt.pipe.runtime.verify_probe_every, self.probe_vocab[dst]
+        if not (vocab and self.rt.pipe.runtime.verify_sync and every and self.count[dst] % every == 0):
+            return path.sync(self.rt.versions[src])
+        t0 = time.perf_counter()
+        trainer = self._probe(src, vocab)
+        took = time.perf_counter() - t0
+        stats = path.sync(self.rt.versions[src])
+        t0 = time.perf_counter()
+        stats["sync/probe_diff"] = self._check_probe(src, dst, trainer, vocab)
+        stats["sync/probe_s"] = took + time.perf_counter() - t0
+        return stats
+
+    def _probe(self, node: str, vocab: int) -> list:
+        """Every rank's log-probs of the fixed probe batch (runtime.probe), on `node`'s engine."""
+        from siirl_dag.runtime.probe import probe_batch
+
+        batch = probe_batch(vocab)
+        return self.rt.backend.get([self.rt.backend.call(w, RankWorker.probe_logprobs, role.engine_key, batch)
+                                 for w, role in self.rt.roles[node]])
+
+    def _check_probe(self, src: str, dst: str, trainer: list, vocab: int) -> float:
+        """Every rollout rank's probe against the trainer's (its first rank's: all hold the whole batch)."""
+        from siirl_dag.runtime import probe
+
+        nodes = self.rt.pipe.nodes
+        float32 = not nodes[src].options.get("bf16") and nodes[dst].options.get("dtype") == "float32"
+        return max(probe.check(trainer[0], rollout, float32) for rollout in self._probe(dst, vocab))
+
+    def _path(self, dst: str):
+        """The SyncPath of `dst`'s route, over the ranks as they run now."""
+        from siirl_dag.registry import import_ref
+        from siirl_dag.weight_sync.path import Placed
+        from siirl_dag.weight_sync.routes import TABLE
+
+        src, runtime = self.rt.pipe.nodes[dst].weights_from, self.rt.pipe.runtime
+        placed = Placed(src, dst, self.rt.backend, [(w, r.engine_key) for w, r in self.rt.roles[src]],
+                        [(w, r.engine_key) for w, r in self.rt.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),
+                        runtime.verify_sync, self.rt.pipe.cluster.device, self.routes[dst].payload)
+        row = next(row for row in TABLE if row.name == self.routes[dst].path)
+        self.paths[dst] = import_ref(row.ref)(placed)
+        return self.paths[dst]

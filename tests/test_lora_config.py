@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from siirl_dag.config import load_pipeline
@@ -114,9 +116,11 @@ def test_expert_tensor_parallel_takes_adapters(tmp_path):
     assert pipe.plan.meshes["train"].dims.etp == 2
 
 
-def test_a_critic_takes_no_adapters(tmp_path):
-    p, _ = refused(tmp_path, train_options="{value_head: true}")
-    assert p.path == ("nodes", 3, "model") and "which a value model (critic) does not take yet" in p.message
+def test_a_critic_takes_adapters():
+    """Its head trains beside them (tests/test_megatron_critic.py); nothing to refuse at the door."""
+    ppo = Path(__file__).resolve().parents[1] / "graphs" / "ppo_critic_cpu.yaml"
+    pipe = load_pipeline(ppo, ["models.critic.lora={rank: 8, alpha: 16, target_modules: [all-linear]}"])
+    assert pipe.models["critic"].lora.rank == 8 and pipe.models["policy"].lora is None
 
 
 def test_a_dummy_base_cannot_take_adapters(tmp_path):

@@ -53,10 +53,10 @@ def critic_loss(values, mb, totals):
                            totals=totals)
 
 
-def _engine(rank, world, path, sizes, opts=OPTS):
+def _engine(rank, world, path, sizes, opts=OPTS, lora=None):
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    return MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path}, opts)
+    return MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path, "lora": lora}, opts)
 
 
 def _one_rank(rank, world, path, lm_path, ckpt, hf_dir):
@@ -150,3 +150,50 @@ def test_hf_export_loads_as_a_token_classifier(one_rank):
     _, _, hf_dir, out = one_rank
     assert (out["saved"] - out["before"]).abs().max() > 1e-2, "the export must hold the trained head"
     torch.testing.assert_close(hf_values(hf_dir, critic_batch()), out["saved"], atol=1e-5, rtol=0)
+
+
+def _lora_critic(rank, world, path, ckpt, peft_dir):
+    from siirl_dag.config.lora import ATTENTION, MLP, LoraSpec
+
+    spec = LoraSpec(8, 16.0, frozenset(ATTENTION + MLP))
+    eng = _engine(rank, world, path, {}, OPTS, spec)
+    batch = critic_batch()
+    batch["values"] = eng.compute_values(batch)
+    out = {"trainable": sorted(n for c in eng.chunks for n, p in c.named_parameters() if p.requires_grad),
+           "base": dict(eng.export_hf_weights(what="base")), "before": batch["values"]}
+    out["losses"] = [eng.train_values(batch, critic_loss, mini_batch_size=8, micro_batch_size=2)["critic/vf_loss"]
+                     for _ in range(STEPS)]
+    out["base_after"], out["values"] = dict(eng.export_hf_weights(what="base")), eng.compute_values(batch)
+    eng.save_checkpoint(ckpt)
+    eng.save_adapters(peft_dir)
+    fresh = _engine(rank, world, path, {}, OPTS, spec)
+    fresh.load_checkpoint(ckpt)
+    out["loaded"] = fresh.compute_values(batch)
+    return out
+
+
+def test_a_critic_with_lora_trains_its_adapters_and_head_and_exports_them_as_peft(one_rank, tmp_path):
+    """The base frozen, the adapters and the new value head trained; a checkpoint holds both, and the
+    PEFT folder (adapters + `score` as a module to save) computes the same values in peft + HF."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForTokenClassification
+
+    path = one_rank[0]
+    out = run_ranks(_lora_critic, 1, path, str(tmp_path / "ckpt"), str(tmp_path / "peft"))[0]
+    assert "output_layer.weight" in out["trainable"]
+    assert all(".lora_" in n or n == "output_layer.weight" for n in out["trainable"]), out["trainable"]
+    assert out["losses"][-1] < 0.5 * out["losses"][0], out["losses"]
+    changed = {n for n, t in out["base"].items() if not torch.equal(out["base_after"][n], t)}
+    assert changed == {"score.weight"}, changed
+    torch.testing.assert_close(out["loaded"], out["values"], atol=1e-6, rtol=0)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["task_type"] == "TOKEN_CLS" and config["modules_to_save"] == ["score"]
+    model = PeftModel.from_pretrained(AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32),
+                                      str(tmp_path / "peft")).eval()
+    batch = critic_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[..., 0]
+    p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+    torch.testing.assert_close(logits[:, p - 1:p + r - 1] * batch["response_mask"], out["values"], atol=1e-4, rtol=0)

@@ -271,9 +271,6 @@ def _lora_problems(pipe: Pipeline) -> list[Problem]:
         if spec.on_experts and options.get("moe_grouped_gemm"):
             problems.append(Problem(where + ("options", "moe_grouped_gemm"), "adapters on routed experts sit on "
                                     "megatron's per-expert layers; expected moe_grouped_gemm: false"))
-        if options.get("value_head"):
-            problems.append(Problem(where + ("model",), f"model '{node.model}' has LoRA adapters, which a value model "
-                                    "(critic) does not take yet; expected a model without `lora` for the critic"))
     return problems
 
 

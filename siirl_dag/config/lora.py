@@ -38,12 +38,14 @@ class LoraSpec:
     def on_experts(self) -> bool:
         return any(t.startswith("experts.") for t in self.targets)
 
-    def peft_config(self, base_model: str) -> dict[str, Any]:
-        """adapter_config.json of a PEFT folder (vLLM and peft read it)."""
+    def peft_config(self, base_model: str, value_head: bool = False) -> dict[str, Any]:
+        """adapter_config.json of a PEFT folder (vLLM and peft read it); a value model (critic) is a token
+        classifier whose new `score` head is saved beside the adapters."""
         modules = sorted({t.removeprefix("experts.") for t in self.targets})
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-                "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "target_modules": modules,
-                "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None}
+        return {"peft_type": "LORA", "task_type": "TOKEN_CLS" if value_head else "CAUSAL_LM",
+                "base_model_name_or_path": base_model, "r": self.rank, "lora_alpha": self.alpha,
+                "lora_dropout": self.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+                "use_rslora": False, "modules_to_save": ["score"] if value_head else None}
 
 
 def payload(spec: LoraSpec | None, device: str) -> tuple[str, str]:

@@ -24,12 +24,17 @@ _METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_
 _OPTIMIZER_MARK = "siirl_has_optimizer"
 
 
+def _trained(chunk: torch.nn.Module) -> set[str]:
+    """The parameters that train under adapters: the adapters, and a value model's head."""
+    return {name for name, p in chunk.named_parameters() if p.requires_grad}
+
+
 def _sharded(chunks: list[torch.nn.Module], state: Any, loading: bool, adapters_only: bool) -> dict[str, Any]:
     # One sub-dict per chunk: sharded keys carry global layer numbers, so chunking (VPP) may
-    # differ between save and load. With adapters, the frozen base is the HF folder's: only the
-    # adapters (the only parameters the optimizer holds) are saved.
+    # differ between save and load. With adapters, the frozen base is the HF folder's: only what
+    # trains (the only parameters the optimizer holds) is saved.
     model = {f"chunk{i}": {k: v for k, v in c.sharded_state_dict(metadata=_METADATA).items()
-                           if not adapters_only or ".lora_" in k} for i, c in enumerate(chunks)}
+                           if not adapters_only or ".lora_" in k or k in _trained(c)} for i, c in enumerate(chunks)}
     sd: dict[str, Any] = {"model": model}
     if state is not None:
         sd["optimizer"] = state.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_METADATA)
@@ -63,7 +68,8 @@ def load(chunks: list[torch.nn.Module], state: Any, directory: str, adapters_onl
     loaded = dist_checkpointing.load(_sharded(chunks, state, True, adapters_only), directory)
     for i, c in enumerate(chunks):
         missing, unexpected = c.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
-        wrong = unexpected + [k for k in missing if ".lora_" in k or not adapters_only]  # the base is the HF folder's
+        # the frozen base is the HF folder's
+        wrong = unexpected + [k for k in missing if ".lora_" in k or k in _trained(c) or not adapters_only]
         if wrong:
             raise RuntimeError(f"checkpoint {directory} does not fit the model: {wrong[:3]}")
     if state is not None:
@@ -102,7 +108,8 @@ def save_hf(export: Iterable[tuple[str, torch.Tensor]], spec: HFSpec, directory:
 
 def save_peft(export: Iterable[tuple[str, torch.Tensor]], lora: Any, spec: HFSpec, directory: str) -> None:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's `base_model.model.`
-    names), written by rank 0 from the engine's adapter export. Collective, as `save_hf`."""
+    names), written by rank 0 from the engine's adapter export (a value model's: with its `score` head,
+    which PEFT keeps as a module to save). Collective, as `save_hf`."""
     from safetensors.torch import save_file
 
     writer = dist.get_rank() == 0
@@ -111,7 +118,7 @@ def save_peft(export: Iterable[tuple[str, torch.Tensor]], lora: Any, spec: HFSpe
         os.makedirs(directory, exist_ok=True)
         save_file(tensors, os.path.join(directory, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-            json.dump(lora.peft_config(os.path.abspath(spec.path)), f, indent=2)
+            json.dump(lora.peft_config(os.path.abspath(spec.path), spec.value_head), f, indent=2)
     dist.barrier()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
@@ -386,8 +387,11 @@ class MegatronEngine(Strategy):
 
     def save_adapters(self, directory: str) -> None:
         """The adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors) vLLM and peft load."""
-        checkpoint.save_peft(self.export_hf_weights(first_rank_only=True, what="adapters"), self.lora, self.spec,
-                             directory)
+        export = self.export_hf_weights(first_rank_only=True, what="adapters")
+        if self.spec.value_head:  # its head trains too (every rank walks the whole export: it is collective)
+            head = ((n, t) for n, t in self.export_hf_weights(first_rank_only=True, what="base") if n == "score.weight")
+            export = itertools.chain(export, head)
+        checkpoint.save_peft(export, self.lora, self.spec, directory)
 
     def save_checkpoint(self, directory: str) -> None:
         """Model and training state; with adapters only them and their optimizer (the base is the HF folder's)."""

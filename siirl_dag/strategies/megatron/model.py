@@ -71,7 +71,7 @@ class ValueHead(torch.nn.Linear):
 def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
                 lora_spec: LoraSpec | None = None, seed: int = 0) -> list[torch.nn.Module]:
     """GPTModel chunks (one per virtual stage) of this rank on `device`, holding the HF weights, and
-    frozen under adapters with `lora_spec` (their layers local, not Transformer Engine's, which fuse the
+    frozen (a value model's head aside) under adapters with `lora_spec` (their layers local, not Transformer Engine's, which fuse the
     pre-norms into the linears an adapter must see the input of). megatron makes its parallel layers'
     weights on the GPU itself, but not the torch modules of its local spec (the RMSNorms without Apex
     or Transformer Engine): the chunks are moved as a whole."""
@@ -109,6 +109,9 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
     load_hf(chunks, spec)
     if lora_spec is not None:
         lora.inject(chunks, lora_spec, seed)
+        for chunk in chunks if spec.value_head else ():  # a critic's head is new: it trains beside the adapters
+            if chunk.post_process:
+                chunk.output_layer.weight.requires_grad_(True)
     return chunks
 
 

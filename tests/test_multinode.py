@@ -1,6 +1,7 @@
 """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head without
 devices, and nodes of 2 CPU rank slots each). A run attached with --address places each plan
-machine on its own node, keeps tensor-parallel groups inside one, and leaves the cluster running;
+machine on its own node, keeps tensor-parallel groups inside one, sends LoRA adapters from the
+trainer's machine to the rollout's (process_group), and leaves the cluster running;
 losing a node mid-run stops the run with one message naming the machine, its ranks and the step,
 leaves no rank process behind, and the same command resumes once the cluster has the devices again."""
 
@@ -20,7 +21,10 @@ from test_e2e import PIPELINE as E2E_PIPELINE
 from test_e2e import QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPELINE = E2E_PIPELINE.replace("{{nodes: 1,", "{{nodes: 2,")  # the e2e pipeline on 2 machines of 2 devices
+# the e2e pipeline on 2 machines of 2 devices, training LoRA adapters: they travel between machines
+PIPELINE = E2E_PIPELINE.replace("{{nodes: 1,", "{{nodes: 2,").replace(
+    "{{policy: {{path: {model}, dtype: float32}}}}",
+    "{{policy: {{path: {model}, dtype: float32, lora: {{rank: 8, alpha: 16, target_modules: [all-linear]}}}}}}")
 MESHES = """\
   train: megatron:d1t2                            # machine 0: one tensor-parallel pair
   ref: {alloc: "megatron:d1t2", colocate_with: train}
@@ -89,6 +93,9 @@ def test_plan_keeps_tensor_parallel_groups_inside_machines(tmp_path, capsys):
 def test_a_lost_node_stops_the_run_and_the_same_command_resumes_across_nodes(tmp_path, cluster, tiny_model_dir, demo_data):
     head, nodes = cluster
     (tmp_path / "pipeline.yaml").write_text(pipeline(tmp_path, tiny_model_dir, demo_data))
+    plan = subprocess.run([sys.executable, "-m", "siirl_dag.main", "plan", str(tmp_path / "pipeline.yaml")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert "weights actor_update -> rollout: process_group" in plan.stdout and "only the adapters" in plan.stdout
     ckpt = tmp_path / "ckpt"
     proc, err = start(tmp_path, head.address, "lost")
     machines = wait_for(lambda: MACHINES.search(err.read_text()) and node_ids_of_machines(err.read_text()), proc, err)

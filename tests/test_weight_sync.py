@@ -367,6 +367,31 @@ def test_a_restarted_rollout_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go
     assert trainer_pipes == [new.name] and old_pipes == []
 
 
+def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counted_yet(tmp_path):
+    """async: a rollout rebuilt while its trainer's update (another batch's job) runs gets the weights
+    after that update, so they carry the version the update makes once it is collected."""
+    from types import SimpleNamespace
+
+    from siirl_dag.runtime.syncs import WeightSyncs
+    from test_config import BASE, write
+
+    class Path:  # the path's own behaviour is tested above; here only the version it is given
+        def __init__(self):
+            self.versions = []
+
+        def sync(self, version):
+            self.versions.append(version)
+            return {"sync/bytes": 1}
+
+    rt = SimpleNamespace(pipe=load_pipeline(write(tmp_path, BASE)), versions={"actor_update": 3}, trace=None)
+    syncs = WeightSyncs(rt)
+    syncs.paths["rollout"] = path = Path()
+    assert "timing_s/sync_weights" in syncs.run(landed=frozenset({"actor_update"}))
+    assert path.versions == [4] and syncs.synced == {"rollout": 4}
+    rt.versions["actor_update"] = 4  # the update's job collected: nothing left to send
+    assert syncs.run() == {} and path.versions == [4]
+
+
 # --- in one process (runtime.backend=local), and verification -------------------------------------------
 
 def local_sync(trainer_engine, rollout_engine, verify: bool = True, version: int = 7):

@@ -305,7 +305,7 @@ class Runtime:
         if tries < node.retry_limit:
             self.attempts[run.node] = tries + 1
             if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
-                self._restart_group(self.group_of(run.node), step)
+                self._restart_group(self.group_of(run.node), step, running)
             running[run.job, run.node] = self.dispatch(run.node, result, step, validating, run.job, run.segment_tokens)
             return
         if isinstance(cause, NodeError):
@@ -325,7 +325,7 @@ class Runtime:
         raise PipelineError(f"step {step}: lost {where}. The run stopped; resume from its last checkpoint on a "
                             "cluster with enough devices again: the same command (trainer.resume_mode=auto)")
 
-    def _restart_group(self, group: str, step: int) -> None:
+    def _restart_group(self, group: str, step: int, running: dict) -> None:
         """Replace a group's workers (one died), rebind their roles and rebuild their engines.
 
         Rebuilt engines load the model from disk. A rollout engine is then brought back to its
@@ -351,8 +351,16 @@ class Runtime:
         behind = [dst for dst in self.synced if self.group_of(dst) == group]
         for dst in behind:
             self.synced[dst] = NOT_SYNCED
-        if behind:
-            self.sync_weights()
+        if behind:  # a trainer of theirs still updating (another batch's job): its update lands first
+            sources = {self.pipe.nodes[dst].weights_from for dst in behind}
+            landed = set()
+            for other in [r for r in running.values() if r.node in sources]:
+                try:
+                    self.backend.get([call[1] for call in other.calls])
+                    landed.add(other.node)
+                except Exception:  # noqa: BLE001 - it failed: no update landed; its own retry says why
+                    pass
+            self.weight_syncs.run(step, frozenset(landed))
 
     def sync_weights(self, step: int = 0) -> dict:
         """Every `weights_from` consumer up to its trainer's latest version (`syncs.WeightSyncs.run`)."""

@@ -31,47 +31,52 @@ class WeightSyncs:
         if dst in self.paths:
             self.paths.pop(dst).close()
 
-    def run(self, step: int = 0) -> dict:
+    def run(self, step: int = 0, landed: frozenset = frozenset()) -> dict:
         """Bring every `weights_from` consumer up to its trainer's latest version (after `step`), each
         pair along its route (`weight_sync.routes`), through the SyncPath made at its first sync.
+
+        `landed`: trainers whose update has finished on their ranks but is not counted in
+        `versions` yet (another batch's job, still to be collected): their weights go out stamped
+        with the version that update makes.
 
         Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
         `timing_s/sync_weights` is the time of all syncs together."""
         metrics: dict = {}
         for dst, have in self.synced.items():
             src = self.rt.pipe.nodes[dst].weights_from
-            if have >= self.rt.versions[src]:
+            version = self.rt.versions[src] + (src in landed)
+            if have >= version:
                 continue
             t0, began = time.perf_counter(), time.time()
             try:
-                stats = self._one(src, dst)
+                stats = self._one(src, dst, version)
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
                 self.close(dst)  # a part may have stopped half-way: never used again
                 self.rt.stop_if_machines_lost(step)
                 cause = getattr(exc, "cause", None) or exc
-                raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {self.rt.versions[src]}, path "
+                raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {version}, path "
                                     f"{self.routes[dst].path}) failed: {cause}") from None
             metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + time.perf_counter() - t0
             prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
             metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
-            self.synced[dst] = self.rt.versions[src]
+            self.synced[dst] = version
             self.count[dst] += 1
             if self.rt.trace is not None:
-                self.rt.trace.driver(f"sync {src} -> {dst}", began, step=step, version=self.rt.versions[src],
+                self.rt.trace.driver(f"sync {src} -> {dst}", began, step=step, version=version,
                                      path=self.routes[dst].path, **{k.removeprefix("sync/"): v for k, v in stats.items()})
         return metrics
 
-    def _one(self, src: str, dst: str) -> dict:
+    def _one(self, src: str, dst: str, version: int) -> dict:
         """One pair's sync through its path, with the probe (runtime.probe) when it is due: the trainer's
         side first, while a colocated trainer still holds the device."""
         path = self.paths.get(dst) or self._path(dst)
         every, vocab = self.rt.pipe.runtime.verify_probe_every, self.probe_vocab[dst]
         if not (vocab and self.rt.pipe.runtime.verify_sync and every and self.count[dst] % every == 0):
-            return path.sync(self.rt.versions[src])
+            return path.sync(version)
         t0 = time.perf_counter()
         trainer = self._probe(src, vocab)
         took = time.perf_counter() - t0
-        stats = path.sync(self.rt.versions[src])
+        stats = path.sync(version)
         t0 = time.perf_counter()
         stats["sync/probe_diff"] = self._check_probe(src, dst, trainer, vocab)
         stats["sync/probe_s"] = took + time.perf_counter() - t0

@@ -3,7 +3,9 @@ ahead of the training side, into a queue of generated batches, on meshes of its 
 
 Whenever a job finishes, the loop applies, in order:
 1. both sides between batches and a rollout's weights behind its trainer's: sync them (weights
-   travel only then, so a generation never sees them change half-way);
+   travel only then, so a generation never sees them change half-way; under partial rollouts
+   also between two segments of a batch, and new weights hold the training side until the
+   segment running ends, so that they go first);
 2. the training side free and the next batch generated: train on it, once every sample's
    `weights_version` is checked against runtime.staleness;
 3. the generating side free and the bound leaving room: generate the next batch with the weights

@@ -28,8 +28,9 @@ def test_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):
     # the first step generates its own samples; every later one trains on samples of the previous weights
     assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3", "4")] == [0, 1, 1, 1]
     for s in ("2", "3"):  # the rollout ran beside the update: its mesh waited less than the whole step
-        assert steps[s]["timing_s/idle/gen"] < steps[s]["timing_s/step"]
-        assert steps[s]["actor/grad_norm"] > 0 and steps[s]["timing_s/sync_weights"] > 0
+        assert steps[s]["timing_s/idle/gen"] < steps[s]["timing_s/step"] and steps[s]["actor/grad_norm"] > 0
+    # a sync after every update; one whose rollout ends after the update lands at the next step's start
+    assert sum(steps[s].get("timing_s/sync_weights", 0) > 0 for s in steps) >= 3
     (line,) = [x for x in res.stderr.splitlines() if x.startswith("[trainer] timeline of the run: ")]
     trace = Path(line.split(": ", 1)[1].split(" (")[0])
     check_trace(trace)

@@ -47,7 +47,7 @@ class Ahead:
         self.next_batch = trained + len(in_flight) + 1
         self.rt = self.jobs = None
         self.generating: tuple[int, Generated | None] | None = None  # (job id, the batch it continues)
-        self.partial: Generated | None = None  # a batch between two segments
+        self.partial: tuple[Generated, list[str]] | None = None  # a batch between two segments, the nodes to resume
         self.training: int | None = None  # job id
 
     def start(self, rt) -> None:
@@ -108,8 +108,7 @@ class Ahead:
         if self.generating is not None:
             return
         if self.partial is not None:
-            g, self.partial = self.partial, None
-            resumed = [dst for dst, _ in self.pairs if PARTIAL in self._column(g.result, dst, "finish_reason")]
+            (g, resumed), self.partial = self.partial, None
             self.generating = (self.jobs.submit(Job(None, g.batch - 1, resumed, g.result, self.segment)), g)
             return
         b = self.next_batch
@@ -125,24 +124,26 @@ class Ahead:
             result.metrics = {**before.result.metrics, **result.metrics}
         g = Generated(batch, result) if before is None else Generated(before.batch, result, before.segments + 1)
         self.generating = None
-        if self.segment and any(PARTIAL in self._column(result, dst, "finish_reason") for dst, _ in self.pairs):
-            self.partial = g
+        cut = [dst for dst, _ in self.pairs if self.segment and PARTIAL in self._columns(result, dst, "finish_reason")[0]]
+        if cut:
+            self.partial = (g, cut)
         else:
             self.queue.append(g)
         return g
 
-    def _column(self, result: StepResult, node: str, key: str):
-        return self.rt.gather(result.outputs[node], [key])[key]
+    def _columns(self, result: StepResult, node: str, *keys: str) -> list:
+        """Columns of a node's output, brought to the driver in one fetch of its shards."""
+        batch = self.rt.gather(result.outputs[node], keys)
+        return [batch[k] for k in keys]
 
     def _staleness(self, given: Generated) -> dict:
         """Every sample's weights against the trainer's now (the version this step updates from): its
         oldest token's, checked against the bound."""
         lags, mixed = [], []
         for dst, src in self.pairs:
-            versions = self._column(given.result, dst, "weights_version")
+            versions, tokens = self._columns(given.result, dst, "weights_version", "token_weights_version")
             lags += (self.rt.versions[src] - versions).tolist()
-            if self.segment:  # samples whose tokens came from more than one weight version
-                mixed += (self._column(given.result, dst, "token_weights_version").max(dim=1).values > versions).tolist()
+            mixed += (tokens.max(dim=1).values > versions).tolist()  # tokens of more than one weight version
         if max(lags) > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
             raise PipelineError(f"step {given.batch}: samples {max(lags)} weight versions old exceed "
                                 f"runtime.staleness = {self.pipe.runtime.staleness}")

@@ -74,6 +74,7 @@ class Trainer:
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
         self.phases = phases_of(pipe)
+        self.mesh_devices = {m: set(p.devices) for m, p in pipe.plan.meshes.items()}
         self.models = {n: checkpoint.model_identity(pipe.models[m].hf_config(), pipe.models[m].lora)
                        for n in self.trainers for m in [pipe.nodes[n].model]}
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
@@ -196,7 +197,7 @@ class Trainer:
         end = time.perf_counter()
         elapsed = metrics["timing_s/step"] = end - t0
         spans = {n: (max(a, t0), min(b, end)) for n, (a, b) in spans.items()}  # this step's share of work run ahead
-        devices = {m: set(p.devices) for m, p in self.pipe.plan.meshes.items()}
+        devices = self.mesh_devices
         for mesh in self.pipe.meshes:  # its devices waiting, for the other side (what one_step_off and async overlap)
             on_devices = [s for n, s in spans.items()
                           if (m := self.pipe.nodes[n.split("#")[0]].mesh) and devices[m] & devices[mesh]]

@@ -1,7 +1,8 @@
 """actor_update: PPO-clip policy update (GRPO uses it with group advantages) on a Megatron mesh."""
 
-from siirl_dag.errors import Problem
+from nodes import routing
 from nodes.rollout import temperature_differs
+from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
 _BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages", "old_logprobs")
@@ -9,7 +10,7 @@ _BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_m
 
 def _consumes(params):
     return _BASE + (("ref_logprobs",) if params["use_kl_loss"] else ()) + \
-        (("rollout_logprobs",) if params["rollout_is"] != "off" else ())
+        (("rollout_logprobs",) if params["rollout_is"] != "off" else ()) + routing.replays(params)
 
 
 def check_mini_batch(node, pipeline):
@@ -30,7 +31,8 @@ def check_mini_batch(node, pipeline):
 
 
 def _checks(node, pipeline):
-    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline) + temperature_differs(node, pipeline)
+    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline) + \
+        temperature_differs(node, pipeline) + routing.problems(node, pipeline, "routing_replay")
 
 
 def _stale_samples_corrected(node, pipeline):
@@ -67,7 +69,8 @@ def actor_update(batch, ctx):
                               policy_loss_mode=p["policy_loss"], rollout_is_weights=weights, totals=totals)
 
     metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * ctx.samples_per_prompt,
-                               micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"])
+                               micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"],
+                               replay_routes=p["routing_replay"])
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
     if p["rollout_is"] != "off":  # this rank's rows (all of them on one data-parallel rank)
         ctx.metrics.update(rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],

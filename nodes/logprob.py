@@ -1,5 +1,6 @@
 """logprob: per-token log-probs of the responses under a Megatron model (old policy or reference)."""
 
+from nodes import routing
 from siirl_dag.registry import node_kind
 
 INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -15,19 +16,19 @@ def _checks(node, pipeline) -> list:
     from nodes.rollout import temperature_differs
     from siirl_dag.errors import Problem
 
-    problems = temperature_differs(node, pipeline)
+    problems = temperature_differs(node, pipeline) + routing.problems(node, pipeline, "routing_replay")
     if not node.params["adapters"] and pipeline.models[node.model].lora is None:
         problems.append(Problem(pipeline.node_path(node.id) + ("params", "adapters"), f"model '{node.model}' has no "
                                 "LoRA adapters to switch off; expected models.<name>.lora, or adapters: on"))
     return problems
 
 
-@node_kind("logprob", consumes=INPUTS, produces=_produces, strategies=("megatron",), params_schema="logprob",
+@node_kind("logprob", consumes=lambda params: INPUTS + routing.replays(params), produces=_produces, strategies=("megatron",), params_schema="logprob",
            check=_checks)
 def logprob(batch, ctx):
     """Forward only; writes `params.output` (old_logprobs or ref_logprobs)."""
     out = ctx.engine.compute_logprobs(batch, temperature=ctx.params["temperature"], return_entropy=ctx.params["return_entropy"],
-                                      adapters=ctx.params["adapters"])
+                                      adapters=ctx.params["adapters"], replay_routes=ctx.params["routing_replay"])
     result = {ctx.params["output"]: out["logprobs"]}
     if ctx.params["return_entropy"]:
         result["entropy"] = out["entropy"]

@@ -1,11 +1,16 @@
 """rollout: sample n responses per prompt with the vLLM strategy (greedy, one each, in validation)."""
 
+from nodes import routing
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind, resolve_tool
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
             "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version",
             "token_weights_version")
+
+
+def _checks(node, pipeline) -> list[Problem]:
+    return _lengths_fit(node, pipeline) + routing.problems(node, pipeline, "routed_experts")
 
 
 def _lengths_fit(node, pipeline) -> list[Problem]:
@@ -88,8 +93,9 @@ def weight_versions(out: dict, P: int, version: int, earlier=None) -> dict:
     return {"token_weights_version": versions, "weights_version": oldest}
 
 
-@node_kind("rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",), params_schema="rollout",
-           check=_lengths_fit, check_data=_prompts_fit, prompt_lengths=_prompt_lengths, resumes=True)
+@node_kind("rollout", consumes=("raw_prompt",), produces=lambda params: PRODUCES + routing.records(params),
+           strategies=("vllm",), params_schema="rollout", check=_checks, check_data=_prompts_fit,
+           prompt_lengths=_prompt_lengths, resumes=True, engine_options=routing.recording_engine)
 def rollout(batch, ctx):
     """Generate responses; rows are expanded n-fold (samples of one prompt adjacent), each token with
     the version of the weights that generated it (`token_weights_version`; `weights_version`: a

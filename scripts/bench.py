@@ -1,5 +1,6 @@
 """The demo pipeline, measured: per-node step breakdown, engine overhead, weight sync, tokens/s;
-with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync, LoRA).
+with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync, LoRA,
+routing replay).
 
     python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--trace] [--all]
 
@@ -33,6 +34,7 @@ OTHERS = {  # script -> arguments; each prints JSON with --json
     "megatron_vs_bare": ["bench_megatron.py"],
     "weight_sync": ["bench_weight_sync.py"],
     "lora": ["bench_lora.py"],
+    "routing_replay": ["bench_routing_replay.py"],
 }
 
 

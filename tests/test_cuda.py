@@ -4,7 +4,8 @@ A Megatron rank on the GPU gives the CPU rank's log-probs, loss, grad norm and u
 the HF weights exactly; offload moves its training state off the GPU and onload brings all of it
 back (the next step still matches the CPU's); a checkpoint it saves resumes on a CPU rank; and the
 weight sync's buckets broadcast over NCCL arrive bit-exact (two GPUs); expert adapters train on the GPU as on
-the CPU, and vLLM's CUDA MoE LoRA applies adapters given in memory as the merged model computes."""
+the CPU, vLLM's CUDA MoE LoRA applies adapters given in memory as the merged model computes, and the
+routes vLLM returns bring Megatron's log-probs closer to its own (routing replay)."""
 
 from __future__ import annotations
 
@@ -180,3 +181,38 @@ def test_vllm_applies_expert_adapters_from_memory_as_the_merged_model_computes(t
     ref = torch.log_softmax(logits.float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(batch["rollout_logprobs"][mask], ref[mask], atol=1e-3, rtol=0)
+
+
+def _vllm_routes(rank, world, path):
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+
+    engine = VllmRollout(RankContext(0, device="cuda"), {"path": path},
+                         {"dtype": "bfloat16", "max_model_len": 64, "enforce_eager": True, "gpu_memory_utilization": 0.3,
+                          "return_routed_experts": True, "n": 4, "temperature": 1.0})
+    return engine.generate(["Q: 1+2=? A:", "Q: 20+3=? A:", "Q: 7+5=? A:", "Q: 31+4=? A:"], {"seed": 0}, 16, 12)
+
+
+def _megatron_replay(rank, world, path, batch):
+    from siirl_dag.strategies.megatron.engine import MegatronEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eng = MegatronEngine(RankContext(rank, ParallelDims(dp=world), device="cuda"), {"path": path}, {"bf16": False})
+    return {"free": eng.compute_logprobs(batch)["logprobs"],
+            "replayed": eng.compute_logprobs(batch, replay_routes=True)["logprobs"]}
+
+
+def test_routes_vllm_returns_bring_megatrons_log_probs_closer(tmp_path):
+    """Routing replay end to end on a GPU: vLLM (bf16) returns the experts of every token with its
+    samples; Megatron (fp32) replaying them is closer to vLLM's log-probs than routing by itself."""
+    pytest.importorskip("vllm")
+    from make_tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=4, num_experts=8)
+    [batch] = run_ranks(_vllm_routes, 1, path, backend="nccl")
+    assert batch["routed_experts"].shape == (*batch["input_ids"].shape, 4, 2)
+    [out] = run_ranks(_megatron_replay, 1, path, batch, backend="nccl")
+    mask = batch["response_mask"].bool()
+    free = (out["free"] - batch["rollout_logprobs"]).abs()[mask].mean()
+    replayed = (out["replayed"] - batch["rollout_logprobs"]).abs()[mask].mean()
+    print(f"mean |megatron - vllm| log-prob: {free:.5f} routing itself, {replayed:.5f} replaying vLLM's routes")
+    assert replayed < free

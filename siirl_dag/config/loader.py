@@ -71,8 +71,9 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
     except LookupError as exc:
         problems.append(Problem(base + ("kind",), str(exc)))
         return None
-    if kind.params_schema:
-        problems += schema.validate(raw["params"], f"nodes/{kind.params_schema}.schema.json", base + ("params",))
+    params_problems = schema.validate(raw["params"], f"nodes/{kind.params_schema}.schema.json", base + ("params",)) \
+        if kind.params_schema else []
+    problems += params_problems
     if not kind.is_model_node:
         for key in ("strategy", "mesh", "model", "options", "weights_from"):
             if key in raw:
@@ -87,6 +88,8 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
             problems.append(Problem(base + ("strategy",), f"no strategy '{strategy}'; expected one of: {', '.join(STRATEGIES)}"))
         else:
             raw.setdefault("options", {})
+            if kind.engine_options and not params_problems:
+                raw["options"].update(kind.engine_options(raw["params"]))
             raw["__explicit__"] = set(raw["options"])  # before defaults: what the user wrote
             options_schema = f"strategies/{strategy}.schema.json"
             if schema.schema_exists(options_schema):

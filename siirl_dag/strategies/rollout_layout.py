@@ -23,6 +23,9 @@ class Sample:
     logprobs: Sequence[float]  # log-prob of each token of token_ids under the sampler
     finish_reason: str  # "stop" (EOS, stop string or stop token), "length", or PARTIAL (to be resumed)
     mask: Sequence[int] | None = None  # 1 where the model generated the token, 0 a tool's (agent rollouts)
+    # the experts each token was routed to, [prompt + token_ids - 1, layers, topk] (vLLM's record of the
+    # tokens it ran through the model: all but the last), when the engine records them
+    routed_experts: Any = None
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool,
@@ -62,7 +65,8 @@ def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], m
         attended[row, :n] = 1
         logprobs[row, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, attended], dim=1)
-    return {
+    routes = _routes(prompt_ids, samples, P, R) if any(s.routed_experts is not None for s in samples) else {}
+    return routes | {
         "prompts": prompts,
         "prompt_mask": prompt_mask,
         "responses": responses,
@@ -77,11 +81,30 @@ def pack_batch(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], m
     }
 
 
+def _routes(prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], P: int, R: int) -> dict[str, torch.Tensor]:
+    """`routed_experts` [rows, P+R, layers, topk], each token's experts where its id sits in input_ids
+    (0 where the engine recorded none: padding, and the last token)."""
+    first = next(s.routed_experts for s in samples if s.routed_experts is not None)
+    dtype = torch.uint8 if first.dtype.itemsize == 1 else torch.int32  # vLLM's uint8, or uint16 past 256 experts
+    out = torch.zeros((len(samples), P + R, *first.shape[1:]), dtype=dtype)
+    for row, s in enumerate(samples):
+        if s.routed_experts is None:
+            raise ValueError(f"sample {row} came back without routed experts while others have them")
+        start = P - len(prompt_ids[s.prompt_index])
+        routes = torch.as_tensor(s.routed_experts[:P + R - start].astype(first.dtype)).to(dtype)
+        out[row, start:start + len(routes)] = routes
+    return {"routed_experts": out}
+
+
 def unpack_batch(batch: Any) -> tuple[list[list[int]], list[Sample]]:
     """`pack_batch`'s rows back as (prompt ids, samples), one prompt per row: a partial rollout's next
     segment continues them."""
     lengths, prompt_mask = batch["response_length"].tolist(), batch["prompt_mask"].bool()
     prompt_ids = [row[mask].tolist() for row, mask in zip(batch["prompts"], prompt_mask)]
+    P = prompt_mask.shape[1]
+    routes = batch["routed_experts"] if "routed_experts" in batch else None
     samples = [Sample(i, batch["responses"][i, :n].tolist(), batch["rollout_logprobs"][i, :n].tolist(),
-                      batch["finish_reason"][i]) for i, n in enumerate(lengths)]
+                      batch["finish_reason"][i],
+                      routed_experts=None if routes is None else routes[i, P - len(prompt_ids[i]):P + n - 1].numpy())
+               for i, n in enumerate(lengths)]
     return prompt_ids, samples

@@ -12,6 +12,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from siirl_dag.strategies.megatron import routing_replay
+
 
 def rows(value: Any, index: slice | torch.Tensor) -> Any:
     if torch.is_tensor(value):
@@ -40,11 +42,12 @@ def seq_length(batch: Mapping[str, Any], pad_to: int = 1) -> int:
     return -(-seq // pad_to) * pad_to
 
 
-def align(batch: Mapping[str, Any], seq: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def align(batch: Mapping[str, Any], seq: int, pad_id: int = 0, replay_topk: int | None = None) -> dict[str, torch.Tensor]:
     """input_ids/position_ids [B, seq] of left-aligned rows, and where response tokens are predicted.
 
     `logit_index[i, j]` is the position whose logits predict response token j of row i
-    (prompt_len_i + j - 1); `response_mask` marks the tokens to keep.
+    (prompt_len_i + j - 1); `response_mask` marks the tokens to keep. With `replay_topk`, the
+    batch's `routed_experts` moved alike (routing_replay.align).
     """
     plen, rmask, prompt_len = _lengths(batch)
     input_ids = batch["input_ids"]
@@ -54,12 +57,18 @@ def align(batch: Mapping[str, Any], seq: int, pad_id: int = 0) -> dict[str, torc
     ids = input_ids.gather(1, src.clamp(max=total - 1))
     ids = torch.where(src < total, ids, torch.full_like(ids, pad_id))
     logit_index = (plen[:, None] - 1 + torch.arange(resp_len)[None, :]).clamp(max=seq - 1)
-    return {
+    out = {
         "input_ids": ids,
         "position_ids": pos.expand_as(ids).contiguous(),
         "logit_index": logit_index,
         "response_mask": rmask,
     }
+    if replay_topk is not None:
+        if "routed_experts" not in batch:
+            raise ValueError("routing replay needs the batch's routed_experts (a rollout with routed_experts: true)")
+        out["routed_experts"] = routing_replay.align(batch["routed_experts"], src, batch["attention_mask"].sum(1),
+                                                     replay_topk)
+    return out
 
 
 def micro_batches(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], size: int) -> list[dict[str, Any]]:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import MiniBatchTotals, RankContext, Strategy
-from siirl_dag.strategies.megatron import batching, checkpoint, context_parallel, hf_convert, lora, memory, offload, options, optim
+from siirl_dag.strategies.megatron import (batching, checkpoint, context_parallel, hf_convert, lora, memory, offload,
+                                           options, optim, routing_replay)
 from siirl_dag.strategies.megatron import model as model_lib
 from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
@@ -55,6 +56,8 @@ class MegatronEngine(Strategy):
         self.config = self._transformer_config(TransformerConfig, shape)
         self.lora = self.model_field("lora")  # config.lora.LoraSpec: the base frozen, adapters trained
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device, self.lora, self.opts["seed"])
+        routing_replay.release(self.chunks)
+        self._routers: dict[int, list] = {}  # id(model chunk) -> its MoE routers, for routing replay
         self.train_state: optim.Trainable | None = None
         bound = hf_convert.bind(self.chunks, self.spec.value_head)  # resolved once, for every export
         self._exports = {"model": [b for b in bound if not b.rule.lora], "adapters": [b for b in bound if b.rule.lora]}
@@ -86,7 +89,7 @@ class MegatronEngine(Strategy):
             cuda_graph_scope=[],  # what its default "full" means (megatron warns that "full" is deprecated)
         )
         if self.spec.num_experts:
-            kw.update(moe_token_dispatcher_type=o["moe_token_dispatcher_type"],
+            kw.update(moe_token_dispatcher_type=o["moe_token_dispatcher_type"], moe_enable_routing_replay=True,
                       moe_grouped_gemm=o["moe_grouped_gemm"], moe_layer_recompute=o["moe_layer_recompute"])
         try:
             return cls(**kw)
@@ -143,7 +146,11 @@ class MegatronEngine(Strategy):
     def _forward_step(self, loss: Callable, data_iterator: Iterator[dict], model):
         mb = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
               for k, v in next(data_iterator).items()}
-        out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
+        if id(model) not in self._routers:
+            self._routers[id(model)] = routing_replay.routers(model)
+        with routing_replay.Replay(self._routers[id(model)], mb.get("_routed_experts"), self.config.sequence_parallel,
+                                   self.device):
+            out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
         return out, functools.partial(loss, mb)
 
     def _response_logprobs(self, mb: dict, logits: torch.Tensor, temperature: float, entropy: bool):
@@ -174,11 +181,14 @@ class MegatronEngine(Strategy):
             forward_only=forward_only,
         )
 
-    def _prepare(self, batch: Mapping[str, Any]) -> tuple[dict, int]:
-        """Align rows to a sequence length all DP ranks agree on (EP collectives span DP)."""
+    def _prepare(self, batch: Mapping[str, Any], replay_routes: bool = False) -> tuple[dict, int]:
+        """Align rows to a sequence length all DP ranks agree on (EP collectives span DP); with
+        `replay_routes`, the batch's `routed_experts` too, for the routers to replay."""
         pad_to = (self.mesh.tp if self.config.sequence_parallel else 1) * (2 * self.mesh.cp if self.mesh.cp > 1 else 1)
         seq = self._dp_max(batching.seq_length(batch, pad_to))[0]
-        return batching.align(batch, seq), seq
+        if replay_routes and not self.spec.num_experts:
+            raise ConfigError("routing replay needs an MoE model; this one has no routed experts", ("params", "routing_replay"))
+        return batching.align(batch, seq, replay_topk=self.spec.moe_topk if replay_routes else None), seq
 
     def _micro_size(self, requested: int, seq: int, rows: int | None = None) -> int:
         """With dynamic_micro_batch_tokens: as many rows as fit the token budget at this batch's
@@ -209,11 +219,11 @@ class MegatronEngine(Strategy):
 
     @torch.no_grad()
     def _forward_only(self, batch: Mapping[str, Any], micro_batch_size: int | None, head: Callable,
-                      keys: list[str]) -> dict[str, torch.Tensor]:
+                      keys: list[str], replay_routes: bool = False) -> dict[str, torch.Tensor]:
         """Run `head(micro_batch, model output) -> {key: [b, R]}` over micro batches through the
         pipeline schedule; every rank gets the [B, R] results of its shard."""
         n_rows, resp_len = batch["responses"].shape
-        aligned, seq = self._prepare(batch)
+        aligned, seq = self._prepare(batch, replay_routes)
         mbs = self._micro_size(micro_batch_size or self.opts["micro_batch_size"], seq)
         n_micro = self._dp_max(-(-n_rows // mbs))[0]
         if self.mesh.vpp > 1:  # the interleaved schedule runs micro batches in groups of pp
@@ -237,9 +247,11 @@ class MegatronEngine(Strategy):
         return out
 
     def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0, micro_batch_size: int | None = None,
-                         return_entropy: bool = False, adapters: bool = True) -> dict[str, torch.Tensor]:
+                         return_entropy: bool = False, adapters: bool = True,
+                         replay_routes: bool = False) -> dict[str, torch.Tensor]:
         """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding.
-        `adapters=False`: as the frozen base computes them (a reference model without weights of its own)."""
+        `adapters=False`: as the frozen base computes them (a reference model without weights of its own);
+        `replay_routes`: through the experts of the batch's `routed_experts` (routing_replay.py)."""
         self._need(False, "compute_logprobs")
 
         def head(mb, logits):
@@ -248,7 +260,7 @@ class MegatronEngine(Strategy):
 
         keys = ["logprobs"] + (["entropy"] if return_entropy else [])
         with contextlib.nullcontext() if adapters else lora.disabled(self.chunks):
-            return self._forward_only(batch, micro_batch_size, head, keys)
+            return self._forward_only(batch, micro_batch_size, head, keys, replay_routes)
 
     def probe_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Log-probs of the response tokens of a small fixed batch (verified sync's probe)."""
@@ -266,20 +278,23 @@ class MegatronEngine(Strategy):
 
     # --------------------------------------------------------------- train
     def train(self, batch: Mapping[str, Any], loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
-              epochs: int = 1, entropy: bool = True) -> dict[str, float]:
+              epochs: int = 1, entropy: bool = True, replay_routes: bool = False) -> dict[str, float]:
         """PPO-style update: `epochs` passes over mini batches, one optimizer step per mini batch.
 
         mini_batch_size counts samples over all DP ranks (so results do not depend on the DP size);
         micro_batch_size is per rank. loss_fn(logprobs [b,R], entropy [b,R] | None, micro_batch, totals)
         -> (the micro batch's share of the mini batch's loss: its sums over the `totals` of the whole mini
-        batch, metrics); the shares add up to the loss of the mini batch as one.
+        batch, metrics); the shares add up to the loss of the mini batch as one. `replay_routes`: as
+        compute_logprobs.
         """
         self._need(False, "train")
+        if replay_routes and (self.opts["recompute_granularity"] or self.opts["moe_layer_recompute"]):
+            raise ConfigError(options.RECOMPUTE_REPLAY, ("options", "recompute_granularity"))
 
         def loss(mb, logits, totals):
             return loss_fn(*self._response_logprobs(mb, logits, 1.0, entropy), mb, totals)
 
-        return self._update(batch, loss, mini_batch_size, micro_batch_size, epochs)
+        return self._update(batch, loss, mini_batch_size, micro_batch_size, epochs, replay_routes)
 
     def train_values(self, batch: Mapping[str, Any], loss_fn: ValueLossFn, mini_batch_size: int,
                      micro_batch_size: int | None = None, epochs: int = 1) -> dict[str, float]:
@@ -293,11 +308,11 @@ class MegatronEngine(Strategy):
         return self._update(batch, loss, mini_batch_size, micro_batch_size or self.opts["micro_batch_size"], epochs)
 
     def _update(self, batch: Mapping[str, Any], loss_fn: Callable, mini_batch_size: int, micro_batch_size: int,
-                epochs: int) -> dict[str, float]:
+                epochs: int, replay_routes: bool = False) -> dict[str, float]:
         """The mini-batch loop of `train` / `train_values`; loss_fn(micro_batch, model output, totals)."""
         state = self._trainable()
         n_rows = batch["responses"].shape[0]
-        aligned, seq = self._prepare(batch)
+        aligned, seq = self._prepare(batch, replay_routes)
         local_mini, micro_batch_size = self._train_layout(n_rows, mini_batch_size, micro_batch_size, seq)
 
         def loss(totals, shares, mb, output):

@@ -84,6 +84,12 @@ class VllmRollout(Strategy):
         )
         if self.adapters:  # one adapter, on every row (rows without one beside it would take the last slot on CPU)
             kwargs.update(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=1)
+        if opts["return_routed_experts"]:  # for routing replay; recorded by the model runner V2 only
+            if cpu_compat.active():
+                raise ConfigError("vLLM returns routed experts only from its Triton model runner, which needs a GPU; "
+                                  "expected return_routed_experts: false on CPU", ("options", "return_routed_experts"))
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            kwargs["enable_return_routed_experts"] = True
         if group and dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, the mesh {self.ctx.world_size}")
         if group:
@@ -254,7 +260,8 @@ def _sample(index: int, tokens: Sequence[int], logprobs: Sequence[float], comple
     new = list(completion.token_ids)
     total = [*tokens, *new]
     reason = PARTIAL if completion.finish_reason == "length" and len(total) < limit else completion.finish_reason
-    return Sample(index, total, [*logprobs, *(lp[t].logprob for lp, t in zip(completion.logprobs, new))], reason)
+    return Sample(index, total, [*logprobs, *(lp[t].logprob for lp, t in zip(completion.logprobs, new))], reason,
+                  routed_experts=completion.routed_experts)
 
 
 def _load_adapters(worker: Any, tensors: dict[str, torch.Tensor], config: dict) -> None:

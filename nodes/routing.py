@@ -1,0 +1,43 @@
+"""Routing replay (R3), as the YAML asks for it: a rollout records the experts each token was routed
+to (params.routed_experts: true, the `routed_experts` key) and Megatron nodes replay them
+(params.routing_replay: true, consuming it). Checks shared by both ends, run by `validate`."""
+
+from siirl_dag.errors import Problem
+from siirl_dag.strategies.megatron.options import RECOMPUTE_REPLAY
+
+KEY = "routed_experts"
+
+
+def records(params: dict) -> tuple[str, ...]:
+    """The key a recording rollout adds to what it produces."""
+    return (KEY,) if params.get("routed_experts") else ()
+
+
+def recording_engine(params: dict) -> dict:
+    """The engine option a recording rollout needs: vLLM records routes only if started to."""
+    return {"return_routed_experts": True} if params["routed_experts"] else {}
+
+
+def replays(params: dict) -> tuple[str, ...]:
+    """The key a replaying node consumes."""
+    return (KEY,) if params.get("routing_replay") else ()
+
+
+def problems(node, pipeline, param: str) -> list[Problem]:
+    """An MoE model, a device whose vLLM records routes, a training engine that does not recompute."""
+    if not node.params.get(param):
+        return []
+    where = pipeline.node_path(node.id) + ("params", param)
+    config = pipeline.models[node.model].hf_config() or {}
+    if config and not (config.get("num_experts") or config.get("num_local_experts")):
+        return [Problem(where, f"model '{node.model}' has no routed experts to replay; expected an MoE model, or "
+                               f"{param}: false")]
+    found = []
+    if node.strategy == "vllm" and pipeline.cluster.device != "cuda":
+        found.append(Problem(where, f"vLLM returns routed experts only from its Triton model runner, which needs a GPU; "
+                                    f"this cluster's device is {pipeline.cluster.device}; expected a CUDA cluster, or "
+                                    f"{param}: false"))
+    if node.strategy == "megatron" and node.kind == "actor_update" and \
+            (node.options.get("recompute_granularity") or node.options.get("moe_layer_recompute")):
+        found.append(Problem(pipeline.node_path(node.id) + ("options", "recompute_granularity"), RECOMPUTE_REPLAY))
+    return found

@@ -1,0 +1,86 @@
+"""Routing replay (R3): each MoE router takes the experts the rollout chose for a token instead of
+its own top-k, so log-probs and the update compute what was sampled. Only the choice is replayed:
+the router's probabilities for the chosen experts come from its live logits, so it still trains.
+
+`routed_experts` [B, P+R, layers, topk] is vLLM's record in the batch layout (every decoder layer,
+an expert id per slot; strategies/rollout_layout.py): it covers each row's real tokens but the last
+one, which no kept log-prob depends on (causal attention), as no padding does either. Those
+positions take experts 0..topk-1. megatron-core's RouterReplay (`moe_enable_routing_replay`) gives
+each router the hook; this module hands each router its layer's ids for the tokens it sees: the
+sequence-first [s, b] order of its input, this rank's share under sequence and context parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KEY = "routed_experts"
+
+
+def align(routes: torch.Tensor, src: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tensor:
+    """[B, P+R, L, K] -> [B, seq, L, K] long, as batching.align moves the tokens: position i of a row
+    is its token src[row, i]; positions from its last real token on take experts 0..K-1."""
+    if routes.shape[-1] != topk:
+        raise ValueError(f"routed_experts has {routes.shape[-1]} experts per token; the model routes to {topk}")
+    B, seq = src.shape
+    gathered = routes.long().gather(1, src.clamp(max=routes.shape[1] - 1)[:, :, None, None]
+                                    .expand(B, seq, *routes.shape[2:]))
+    uncovered = torch.arange(seq)[None, :] >= (lengths - 1)[:, None]
+    return torch.where(uncovered[:, :, None, None], torch.arange(topk).expand_as(gathered), gathered)
+
+
+def routers(chunk: torch.nn.Module) -> list[tuple[int, object]]:
+    """(decoder layer index, RouterReplay) of each MoE router of a model chunk, in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [(m.layer_number - 1, m.router_replay) for m in chunk.modules()
+            if isinstance(m, TopKRouter) and m.router_replay is not None]
+
+
+def release(chunks: list[torch.nn.Module]) -> None:
+    """megatron lists every RouterReplay of the process in one class-level list, which only its
+    global calls use; the engine drives its own routers, so they leave that list (and the engine's
+    memory goes with the engine)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(r) for chunk in chunks for _, r in routers(chunk)}
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+
+
+def local_tokens(routes: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """A micro batch's aligned routes [b, s, L, K] -> [tokens, L, K] in the order this rank's routers
+    see them: its context-parallel chunks, sequence-first, its tensor-parallel slice under SP."""
+    from megatron.core import parallel_state as ps
+
+    from siirl_dag.strategies.megatron import context_parallel
+
+    tokens = context_parallel.local(routes).transpose(0, 1)
+    if sequence_parallel:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        tokens = tokens.chunk(tp, dim=0)[rank]
+    return tokens.reshape(-1, *routes.shape[2:])
+
+
+class Replay:
+    """Sets a chunk's routers to replay one micro batch's routes for the forward that follows."""
+
+    def __init__(self, found: list[tuple[int, object]], routes: torch.Tensor | None, sequence_parallel: bool,
+                 device: torch.device):
+        self.found = found if routes is not None else []
+        if self.found:
+            tokens = local_tokens(routes, sequence_parallel).to(device)
+            self.targets = [tokens[:, layer] for layer, _ in self.found]
+
+    def __enter__(self):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for (_, replay), target in zip(self.found, getattr(self, "targets", ())):
+            replay.target_topk_idx = target
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return self
+
+    def __exit__(self, *exc):
+        for _, replay in self.found:
+            replay.clear_indices()
+            replay.clear_router_replay_action()

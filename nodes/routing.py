@@ -1,6 +1,7 @@
-"""Routing replay (R3), as the YAML asks for it: a rollout records the experts each token was routed
-to (params.routed_experts: true, the `routed_experts` key) and Megatron nodes replay them
-(params.routing_replay: true, consuming it). Checks shared by both ends, run by `validate`."""
+"""Routing replay, as the YAML asks for it: a node records the experts each token was routed to
+(params.routed_experts: true, the `routed_experts` key) and Megatron nodes replay them
+(params.routing_replay: true, consuming it). R3 records in the rollout (vLLM, GPU only); R2 in the
+old log-probs (Megatron), so the update routes as they did. Checks shared by both ends, run by `validate`."""
 
 from siirl_dag.errors import Problem
 from siirl_dag.strategies.megatron.options import RECOMPUTE_REPLAY
@@ -28,6 +29,9 @@ def problems(node, pipeline, param: str) -> list[Problem]:
     if not node.params.get(param):
         return []
     where = pipeline.node_path(node.id) + ("params", param)
+    if param == "routed_experts" and node.params.get("routing_replay"):
+        return [Problem(where, "a node records the routes or replays them, not both; expected routed_experts: false "
+                               "here (a replaying node's routes are the ones it was given)")]
     config = pipeline.models[node.model].hf_config() or {}
     if config and not (config.get("num_experts") or config.get("num_local_experts")):
         return [Problem(where, f"model '{node.model}' has no routed experts to replay; expected an MoE model, or "

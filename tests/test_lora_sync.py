@@ -168,7 +168,7 @@ def test_adapter_checkpoints_resume_exactly_and_export_as_peft_folders(tmp_path,
 
 def test_the_moe_lora_pipeline_runs_end_to_end(tmp_path, moe_model_dir):  # noqa: F811
     """graphs/tiny_grpo_moe_lora_cpu.yaml: expert adapters on two expert-parallel ranks, merged into the
-    rollout's weights on CPU, verified at every sync."""
+    rollout's weights on CPU, verified at every sync; the update replays the routes the old log-probs recorded."""
     import json
     import subprocess
     import sys

@@ -109,7 +109,7 @@ def _one_rank_suite(rank, world, path):
                               ("fixed4", {}, 4)):
         eng = engine({**OPTS, **opts})
         out[name] = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=micro)["loss"]
-        out[name + "_micro"] = eng._micro_size(micro, seq, 8)
+        out[name + "_micro"] = batching.micro_size(micro, seq, eng.opts["dynamic_micro_batch_tokens"], 1, 1, 8)
     return out
 
 

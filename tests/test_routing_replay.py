@@ -27,7 +27,8 @@ def _replayed(rank, world, path, sizes, opts, routes, others=None):
 
     eng = MegatronEngine(RankContext(rank, dims(world, sizes)), {"path": path}, {**OPTS, **opts})
     batch = _shard({**make_batch(8), "routed_experts": routes}, eng.dp_rank, eng.dp_size)
-    out = {"dp_rank": eng.dp_rank, "own": eng.compute_logprobs(batch, micro_batch_size=2)["logprobs"],
+    own = eng.compute_logprobs(batch, micro_batch_size=2, record_routes=True)
+    out = {"dp_rank": eng.dp_rank, "own": own["logprobs"], "recorded": own["routed_experts"],
            "before": eng.compute_logprobs(batch, micro_batch_size=2, replay_routes=True)["logprobs"]}
     for name, other in (others or {}).items():
         out[name] = eng.compute_logprobs({**batch, "routed_experts": other}, replay_routes=True)["logprobs"]
@@ -44,13 +45,18 @@ def moe(tmp_path_factory):
     own, _ = hf_routes(path, batch, torch.float32)  # megatron's fp32 forward routes as HF's fp32 does
     rollout, rollout_lp = hf_routes(path, batch, torch.bfloat16)
     ref = run_ranks(_replayed, 1, path, {}, {}, routes, {"own_replayed": own, "rollout_replayed": rollout})[0]
-    return path, routes, {**ref, "flips": (own != rollout).any(-1).float().mean(), "rollout_lp": rollout_lp}
+    return path, routes, {**ref, "flips": (own != rollout).any(-1).float().mean(), "rollout_lp": rollout_lp,
+                          "own_routes": own}
 
 
 @pytest.mark.engines
 def test_replaying_its_own_routes_changes_nothing_and_rollout_routes_come_closer(moe):
     _, _, ref = moe
     torch.testing.assert_close(ref["own_replayed"], ref["own"], atol=1e-5, rtol=0)
+    real = make_batch(8)["attention_mask"].bool()
+    recorded, own = ref["recorded"][real].long().sort(-1).values, ref["own_routes"][real].long().sort(-1).values
+    assert torch.equal(recorded, own), "the routes megatron records are the ones it (and HF in fp32) takes"
+    assert ref["recorded"][~real].eq(0).all()
     mask = make_batch(8)["response_mask"].bool()
     without = (ref["own"] - ref["rollout_lp"]).abs()[mask]
     with_replay = (ref["rollout_replayed"] - ref["rollout_lp"]).abs()[mask]
@@ -80,6 +86,7 @@ def test_replay_under_parallel_layouts_matches_one_rank(case, moe):
     results = run_ranks(_replayed, 2, path, sizes, opts, routes)
     for key in ("before", "after"):
         torch.testing.assert_close(_gather_dp(results, key), ref[key], atol=2e-5, rtol=0, msg=key)
+    assert torch.equal(_gather_dp(results, "recorded"), ref["recorded"]), "the routes recorded (R2)"
     for r in results:
         for key in ("loss", "grad_norm"):
             assert r["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), key
@@ -101,7 +108,7 @@ def test_route_alignment_follows_the_tokens():
 MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2}
 
 
-def replay_pipeline(tmp_path, device="cuda", hf_config=MOE, record=True, train_options="{}"):
+def replay_pipeline(tmp_path, device="cuda", hf_config=MOE, record=True, train_options="{}", recorder="rollout"):
     import json
 
     from test_config import BASE
@@ -110,8 +117,10 @@ def replay_pipeline(tmp_path, device="cuda", hf_config=MOE, record=True, train_o
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(hf_config))
     text = (BASE.replace("device: cpu", f"device: {device}").replace("no/such/model", str(model))
-            .replace("options: {n: 4}}", "options: {n: 4}" + (", params: {routed_experts: true}}" if record else "}"))
-            .replace("params: {output: old_logprobs}", "params: {output: old_logprobs, routing_replay: true}")
+            .replace("options: {n: 4}}", "options: {n: 4}" + (", params: {routed_experts: true}}"
+                                                              if record and recorder == "rollout" else "}"))
+            .replace("params: {output: old_logprobs}", "params: {output: old_logprobs, routing_replay: true}"
+                     if recorder == "rollout" else "params: {output: old_logprobs, routed_experts: true}")
             .replace("    params: {mini_batch_size: 4}",
                      f"    options: {train_options}\n    params: {{mini_batch_size: 4, routing_replay: true}}"))
     f = tmp_path / "p.yaml"
@@ -138,6 +147,15 @@ def test_a_recording_rollout_starts_its_engine_recording_and_feeds_the_replaying
     assert pipe.nodes["rollout"].options["return_routed_experts"] is True
     assert "routed_experts" in pipe.produces("rollout")
     assert "routed_experts" in pipe.consumes("old_logprob") and "routed_experts" in pipe.consumes("actor_update")
+
+
+def test_old_log_probs_record_routes_for_the_update_on_cpu(tmp_path):
+    """R2: the old log-probs (Megatron) record, the update replays; no GPU needed."""
+    from siirl_dag.config import load_pipeline
+
+    pipe = load_pipeline(replay_pipeline(tmp_path, device="cpu", recorder="old_logprob"))
+    assert "routed_experts" in pipe.produces("old_logprob") and "routed_experts" in pipe.consumes("actor_update")
+    assert "routed_experts" not in pipe.produces("rollout")
 
 
 def test_routes_from_vllm_on_cpu_are_refused_with_the_reason(tmp_path):

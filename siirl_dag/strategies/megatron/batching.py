@@ -12,6 +12,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.megatron import routing_replay
 
 
@@ -42,6 +43,12 @@ def seq_length(batch: Mapping[str, Any], pad_to: int = 1) -> int:
     return -(-seq // pad_to) * pad_to
 
 
+def source_positions(batch: Mapping[str, Any], seq: int) -> torch.Tensor:
+    """[B, seq]: the position in the batch layout of each left-aligned row's token i."""
+    plen, _, prompt_len = _lengths(batch)
+    return torch.arange(seq)[None, :] + (prompt_len - plen)[:, None]
+
+
 def align(batch: Mapping[str, Any], seq: int, pad_id: int = 0, replay_topk: int | None = None) -> dict[str, torch.Tensor]:
     """input_ids/position_ids [B, seq] of left-aligned rows, and where response tokens are predicted.
 
@@ -53,7 +60,7 @@ def align(batch: Mapping[str, Any], seq: int, pad_id: int = 0, replay_topk: int 
     input_ids = batch["input_ids"]
     total, resp_len = input_ids.shape[1], batch["responses"].shape[1]
     pos = torch.arange(seq)
-    src = pos[None, :] + (prompt_len - plen)[:, None]
+    src = source_positions(batch, seq)
     ids = input_ids.gather(1, src.clamp(max=total - 1))
     ids = torch.where(src < total, ids, torch.full_like(ids, pad_id))
     logit_index = (plen[:, None] - 1 + torch.arange(resp_len)[None, :]).clamp(max=seq - 1)
@@ -95,3 +102,34 @@ def pad_rows(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], n: int)
 def iterate(mbs: list[dict[str, Any]], copies: int) -> list[Iterator[dict[str, Any]]] | Iterator[dict[str, Any]]:
     """megatron's data_iterator: one iterator, or one per model chunk with virtual pipelining."""
     return [iter(mbs) for _ in range(copies)] if copies > 1 else iter(mbs)
+
+
+def micro_size(requested: int, seq: int, budget: int | None, vpp: int, pp: int, rows: int | None = None) -> int:
+    """With a token `budget` (dynamic_micro_batch_tokens): as many rows as fit it at this batch's padded
+    length `seq` (a divisor of `rows` for training); otherwise the requested size."""
+    if not budget:
+        return requested
+    size = max(1, budget // seq)
+    if rows is None:
+        return size
+    fits = [d for d in range(1, min(size, rows) + 1) if rows % d == 0]
+    if vpp > 1:
+        fits = [d for d in fits if (rows // d) % pp == 0] or fits
+    return max(fits)
+
+
+def train_layout(n_rows: int, mini: int, micro: int, seq: int, dp: int, budget: int | None, vpp: int,
+                 pp: int) -> tuple[int, int]:
+    """Per-rank mini batch and micro batch size, or ConfigError saying which division fails."""
+    local_mini = mini // dp
+    if mini % dp or not local_mini or n_rows % local_mini:
+        raise ConfigError(f"mini_batch_size {mini} must split into {dp} DP ranks, and this rank's "
+                          f"{n_rows} samples into whole per-rank mini batches of {local_mini}", ("mini_batch_size",))
+    micro = micro_size(micro, seq, budget, vpp, pp, local_mini)
+    if local_mini % micro:
+        raise ConfigError(f"a per-rank mini batch of {local_mini} samples does not split into micro batches of "
+                          f"{micro}", ("micro_batch_size",))
+    if vpp > 1 and (local_mini // micro) % pp:
+        raise ConfigError(f"virtual pipelining runs micro batches in groups of pp={pp}; a mini batch "
+                          f"has {local_mini // micro} per rank", ("mini_batch_size",))
+    return local_mini, micro

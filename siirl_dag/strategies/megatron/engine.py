@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import MiniBatchTotals, RankContext, Strategy
-from siirl_dag.strategies.megatron import (batching, checkpoint, context_parallel, hf_convert, lora, memory, offload,
-                                           options, optim, routing_replay)
+from siirl_dag.strategies.megatron import (batching, checkpoint, context_parallel, hf_convert, logprobs, lora, memory,
+                                           offload, options, optim, routing_replay)
 from siirl_dag.strategies.megatron import model as model_lib
-from siirl_dag.strategies.megatron.logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
 # loss_fn(logprobs [b,R], entropy [b,R] | None, micro batch, totals) -> (this micro batch's share of the
@@ -58,6 +57,7 @@ class MegatronEngine(Strategy):
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device, self.lora, self.opts["seed"])
         routing_replay.release(self.chunks)
         self._routers: dict[int, list] = {}  # id(model chunk) -> its MoE routers, for routing replay
+        self._records: dict | None = None  # while recording routes: (micro batch, layer) -> the experts chosen
         self.train_state: optim.Trainable | None = None
         bound = hf_convert.bind(self.chunks, self.spec.value_head)  # resolved once, for every export
         self._exports = {"model": [b for b in bound if not b.rule.lora], "adapters": [b for b in bound if b.rule.lora]}
@@ -148,25 +148,11 @@ class MegatronEngine(Strategy):
               for k, v in next(data_iterator).items()}
         if id(model) not in self._routers:
             self._routers[id(model)] = routing_replay.routers(model)
-        with routing_replay.Replay(self._routers[id(model)], mb.get("_routed_experts"), self.config.sequence_parallel,
-                                   self.device):
+        found = self._routers[id(model)]
+        with routing_replay.Replay(found, mb.get("_routed_experts"), self.config.sequence_parallel, self.device), \
+                routing_replay.Record(found, self._records, mb.get("_micro")):
             out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
         return out, functools.partial(loss, mb)
-
-    def _response_logprobs(self, mb: dict, logits: torch.Tensor, temperature: float, entropy: bool):
-        """logits [b, s(/cp), V/tp] -> log-probs (and entropy) of the response tokens, [b, R]."""
-        idx, vocab = mb["_logit_index"], self.spec.vocab_size
-        if self.mesh.cp == 1:  # only the response positions go through the vocab-wide softmax
-            picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            lp, ent = token_logprobs(picked, mb["responses"], vocab, temperature, entropy)
-        else:  # this rank's positions, then the whole sequence from every CP rank
-            ids = mb["_input_ids"]
-            labels = context_parallel.local(torch.cat([ids[:, 1:], ids[:, :1]], 1))
-            lp, ent = token_logprobs(logits, labels, vocab, temperature, entropy)
-            lp = context_parallel.gather(lp).gather(1, idx)
-            ent = context_parallel.gather(ent).gather(1, idx) if ent is not None else None
-        mask = mb["_response_mask"]
-        return lp * mask, (ent * mask if ent is not None else None)
 
     def _run(self, mbs: list[dict], loss: Callable, seq: int, mbs_size: int, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -186,28 +172,13 @@ class MegatronEngine(Strategy):
         `replay_routes`, the batch's `routed_experts` too, for the routers to replay."""
         pad_to = (self.mesh.tp if self.config.sequence_parallel else 1) * (2 * self.mesh.cp if self.mesh.cp > 1 else 1)
         seq = self._dp_max(batching.seq_length(batch, pad_to))[0]
-        if replay_routes and not self.spec.num_experts:
-            raise ConfigError("routing replay needs an MoE model; this one has no routed experts", ("params", "routing_replay"))
+        if replay_routes:
+            self._need_experts()
         return batching.align(batch, seq, replay_topk=self.spec.moe_topk if replay_routes else None), seq
 
-    def _micro_size(self, requested: int, seq: int, rows: int | None = None) -> int:
-        """With dynamic_micro_batch_tokens: as many rows as fit the token budget at this batch's
-        padded length (a divisor of `rows` for training); otherwise the requested size."""
-        budget = self.opts["dynamic_micro_batch_tokens"]
-        if not budget:
-            return requested
-        size = max(1, budget // seq)
-        if rows is None:
-            return size
-        fits = [d for d in range(1, min(size, rows) + 1) if rows % d == 0]
-        if self.mesh.vpp > 1:
-            fits = [d for d in fits if (rows // d) % self.mesh.pp == 0] or fits
-        return max(fits)
-
-    def _response_values(self, mb: dict, values: torch.Tensor) -> torch.Tensor:
-        """Value-head output [b, s(/cp), 1] -> the value of the state before each response token, [b, R]."""
-        full = context_parallel.gather(values.squeeze(-1).float())
-        return full.gather(1, mb["_logit_index"]) * mb["_response_mask"]
+    def _need_experts(self) -> None:
+        if not self.spec.num_experts:
+            raise ConfigError("routing replay needs an MoE model; this one has no routed experts", ("params",))
 
     def _need(self, value_model: bool, what: str) -> None:
         """Log-probs need the LM head, values the value head: refuse the other kind of engine."""
@@ -219,25 +190,40 @@ class MegatronEngine(Strategy):
 
     @torch.no_grad()
     def _forward_only(self, batch: Mapping[str, Any], micro_batch_size: int | None, head: Callable,
-                      keys: list[str], replay_routes: bool = False) -> dict[str, torch.Tensor]:
+                      keys: list[str], replay_routes: bool = False, record_routes: bool = False) -> dict[str, torch.Tensor]:
         """Run `head(micro_batch, model output) -> {key: [b, R]}` over micro batches through the
-        pipeline schedule; every rank gets the [B, R] results of its shard."""
+        pipeline schedule; every rank gets the [B, R] results of its shard (and with `record_routes`
+        the experts its routers chose, as `routed_experts`)."""
         n_rows, resp_len = batch["responses"].shape
         aligned, seq = self._prepare(batch, replay_routes)
-        mbs = self._micro_size(micro_batch_size or self.opts["micro_batch_size"], seq)
+        mbs = batching.micro_size(micro_batch_size or self.opts["micro_batch_size"], seq,
+                                  self.opts["dynamic_micro_batch_tokens"], self.mesh.vpp, self.mesh.pp)
         n_micro = self._dp_max(-(-n_rows // mbs))[0]
         if self.mesh.vpp > 1:  # the interleaved schedule runs micro batches in groups of pp
             n_micro = -(-n_micro // self.mesh.pp) * self.mesh.pp
         padded = batching.pad_rows(batch, aligned, n_micro * mbs)
         micro = batching.micro_batches(*padded, mbs)
+        if record_routes:
+            self._need_experts()
+            self._records = {}
+            for i, mb in enumerate(micro):
+                mb["_micro"] = i
 
         def loss(mb, output):
             return output.new_zeros(()), {k: v.float() for k, v in head(mb, output).items()}
 
         for m in self._model:
             m.eval()
-        results = self._run(micro, loss, seq, mbs, forward_only=True)
+        try:
+            results = self._run(micro, loss, seq, mbs, forward_only=True)
+        finally:
+            records, self._records = self._records, None
         out = {}
+        if record_routes:
+            rows = padded[0]
+            out["routed_experts"] = routing_replay.recorded(
+                records, n_micro * mbs, seq, self.spec.num_layers, self.spec.moe_topk, self.config.sequence_parallel,
+                batching.source_positions(rows, seq), rows["attention_mask"].sum(1), batch["input_ids"].shape[1])[:n_rows]
         for k in keys:
             if self._ps().is_pipeline_last_stage(ignore_virtual=True):
                 full = torch.cat([r[k].cpu() for r in results])[:n_rows].contiguous()
@@ -247,20 +233,21 @@ class MegatronEngine(Strategy):
         return out
 
     def compute_logprobs(self, batch: Mapping[str, Any], temperature: float = 1.0, micro_batch_size: int | None = None,
-                         return_entropy: bool = False, adapters: bool = True,
-                         replay_routes: bool = False) -> dict[str, torch.Tensor]:
+                         return_entropy: bool = False, adapters: bool = True, replay_routes: bool = False,
+                         record_routes: bool = False) -> dict[str, torch.Tensor]:
         """{"logprobs": [B, R]} (and "entropy") of the response tokens; 0 on response padding.
         `adapters=False`: as the frozen base computes them (a reference model without weights of its own);
-        `replay_routes`: through the experts of the batch's `routed_experts` (routing_replay.py)."""
+        `replay_routes`: through the experts of the batch's `routed_experts` (routing_replay.py);
+        `record_routes`: also "routed_experts", the experts the routers chose (for an update to replay)."""
         self._need(False, "compute_logprobs")
 
         def head(mb, logits):
-            lp, ent = self._response_logprobs(mb, logits, temperature, return_entropy)
+            lp, ent = logprobs.response_logprobs(mb, logits, self.spec.vocab_size, self.mesh.cp, temperature, return_entropy)
             return {"logprobs": lp} if ent is None else {"logprobs": lp, "entropy": ent}
 
         keys = ["logprobs"] + (["entropy"] if return_entropy else [])
         with contextlib.nullcontext() if adapters else lora.disabled(self.chunks):
-            return self._forward_only(batch, micro_batch_size, head, keys, replay_routes)
+            return self._forward_only(batch, micro_batch_size, head, keys, replay_routes, record_routes)
 
     def probe_logprobs(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """Log-probs of the response tokens of a small fixed batch (verified sync's probe)."""
@@ -272,7 +259,7 @@ class MegatronEngine(Strategy):
         self._need(True, "compute_values")
 
         def head(mb, values):
-            return {"values": self._response_values(mb, values)}
+            return {"values": logprobs.response_values(mb, values)}
 
         return self._forward_only(batch, micro_batch_size, head, ["values"])["values"]
 
@@ -292,7 +279,7 @@ class MegatronEngine(Strategy):
             raise ConfigError(options.RECOMPUTE_REPLAY, ("options", "recompute_granularity"))
 
         def loss(mb, logits, totals):
-            return loss_fn(*self._response_logprobs(mb, logits, 1.0, entropy), mb, totals)
+            return loss_fn(*logprobs.response_logprobs(mb, logits, self.spec.vocab_size, self.mesh.cp, 1.0, entropy), mb, totals)
 
         return self._update(batch, loss, mini_batch_size, micro_batch_size, epochs, replay_routes)
 
@@ -303,7 +290,7 @@ class MegatronEngine(Strategy):
         self._need(True, "train_values")
 
         def loss(mb, values, totals):
-            return loss_fn(self._response_values(mb, values), mb, totals)
+            return loss_fn(logprobs.response_values(mb, values), mb, totals)
 
         return self._update(batch, loss, mini_batch_size, micro_batch_size or self.opts["micro_batch_size"], epochs)
 
@@ -313,7 +300,9 @@ class MegatronEngine(Strategy):
         state = self._trainable()
         n_rows = batch["responses"].shape[0]
         aligned, seq = self._prepare(batch, replay_routes)
-        local_mini, micro_batch_size = self._train_layout(n_rows, mini_batch_size, micro_batch_size, seq)
+        local_mini, micro_batch_size = batching.train_layout(n_rows, mini_batch_size, micro_batch_size, seq, self.dp_size,
+                                                            self.opts["dynamic_micro_batch_tokens"], self.mesh.vpp,
+                                                            self.mesh.pp)
 
         def loss(totals, shares, mb, output):
             value, metrics = loss_fn(mb, output, totals)
@@ -347,21 +336,6 @@ class MegatronEngine(Strategy):
         metrics = self._reduce_metrics({k: v / steps for k, v in sums.items()})
         metrics.update(grad_norm=sum(grad_norms) / steps, lr=lr)
         return metrics
-
-    def _train_layout(self, n_rows: int, mini: int, micro: int, seq: int) -> tuple[int, int]:
-        """Per-rank mini batch and micro batch size, or ConfigError saying which division fails."""
-        local_mini = mini // self.dp_size
-        if mini % self.dp_size or not local_mini or n_rows % local_mini:
-            raise ConfigError(f"mini_batch_size {mini} must split into {self.dp_size} DP ranks, and this rank's "
-                              f"{n_rows} samples into whole per-rank mini batches of {local_mini}", ("mini_batch_size",))
-        micro = self._micro_size(micro, seq, local_mini)
-        if local_mini % micro:
-            raise ConfigError(f"a per-rank mini batch of {local_mini} samples does not split into micro batches of "
-                              f"{micro}", ("micro_batch_size",))
-        if self.mesh.vpp > 1 and (local_mini // micro) % self.mesh.pp:
-            raise ConfigError(f"virtual pipelining runs micro batches in groups of pp={self.mesh.pp}; a mini batch "
-                              f"has {local_mini // micro} per rank", ("mini_batch_size",))
-        return local_mini, micro
 
     def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
         """Mean over DP ranks, from the last pipeline stage to every rank."""

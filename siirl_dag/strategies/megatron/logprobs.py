@@ -1,9 +1,12 @@
-"""Per-token log-probs and entropy from vocab-parallel logits (each TP rank holds V/tp columns)."""
+"""Per-token log-probs and entropy from vocab-parallel logits (each TP rank holds V/tp columns), and
+a micro batch's model output -> its response tokens' log-probs or values."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from siirl_dag.strategies.megatron import context_parallel
 
 _PAD_LOGIT = -1e9  # padded vocab columns: exp() underflows to 0 and 0 * logit stays finite
 
@@ -45,3 +48,27 @@ def token_logprobs(
     # megatron's cross entropy works in place on its input: give it its own copy.
     logp = -vocab_parallel_cross_entropy(scaled.clone() if with_entropy else scaled, targets)
     return logp, entropy
+
+
+def response_logprobs(mb: dict, logits: torch.Tensor, vocab_size: int, cp: int, temperature: float,
+                      entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [b, s(/cp), V/tp] of a micro batch (batching.micro_batches) -> log-probs (and entropy)
+    of its response tokens, [b, R]; 0 on response padding."""
+    idx = mb["_logit_index"]
+    if cp == 1:  # only the response positions go through the vocab-wide softmax
+        picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        lp, ent = token_logprobs(picked, mb["responses"], vocab_size, temperature, entropy)
+    else:  # this rank's positions, then the whole sequence from every CP rank
+        ids = mb["_input_ids"]
+        labels = context_parallel.local(torch.cat([ids[:, 1:], ids[:, :1]], 1))
+        lp, ent = token_logprobs(logits, labels, vocab_size, temperature, entropy)
+        lp = context_parallel.gather(lp).gather(1, idx)
+        ent = context_parallel.gather(ent).gather(1, idx) if ent is not None else None
+    mask = mb["_response_mask"]
+    return lp * mask, (ent * mask if ent is not None else None)
+
+
+def response_values(mb: dict, values: torch.Tensor) -> torch.Tensor:
+    """Value-head output [b, s(/cp), 1] -> the value of the state before each response token, [b, R]."""
+    full = context_parallel.gather(values.squeeze(-1).float())
+    return full.gather(1, mb["_logit_index"]) * mb["_response_mask"]

@@ -1,5 +1,6 @@
 """Routing replay (R3): each MoE router takes the experts the rollout chose for a token instead of
-its own top-k, so log-probs and the update compute what was sampled. Only the choice is replayed:
+its own top-k, so log-probs and the update compute what was sampled (or, R2, what the old log-probs
+computed: `recorded` gives back the experts the routers of a forward chose). Only the choice is replayed:
 the router's probabilities for the chosen experts come from its live logits, so it still trains.
 
 `routed_experts` [B, P+R, layers, topk] is vLLM's record in the batch layout (every decoder layer,
@@ -60,6 +61,55 @@ def local_tokens(routes: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         tokens = tokens.chunk(tp, dim=0)[rank]
     return tokens.reshape(-1, *routes.shape[2:])
+
+
+def recorded(records: dict[tuple[int, int], torch.Tensor], rows: int, seq: int, layers: int, topk: int,
+             sequence_parallel: bool, src: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """What the routers chose, {(micro batch, layer): [tokens, K]} of this rank, as the batch's
+    `routed_experts` [rows, total, L, K]: the tokens of every TP / CP rank and the layers of every
+    pipeline stage put together (each rank fills only its own entries of a zero tensor, then a sum),
+    back in the batch layout (`src`: batching.source_positions); 0 on padding."""
+    from megatron.core import parallel_state as ps
+
+    positions = local_tokens(torch.arange(seq)[None, :, None, None], sequence_parallel).flatten()
+    full = torch.zeros(rows, seq, layers, topk, dtype=torch.int32)
+    for (micro, layer), chosen in records.items():
+        b = chosen.shape[0] // len(positions)
+        full[micro * b:(micro + 1) * b, positions, layer] = chosen.view(len(positions), b, topk).transpose(0, 1).int().cpu()
+    groups = [ps.get_pipeline_model_parallel_group(), ps.get_context_parallel_group()]
+    if sequence_parallel:
+        groups.append(ps.get_tensor_model_parallel_group())
+    for group in groups:
+        if torch.distributed.get_world_size(group) > 1:
+            device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+            on = full.to(device)
+            torch.distributed.all_reduce(on, group=group)
+            full = on.cpu()
+    out = torch.zeros(rows, total, layers, topk, dtype=torch.uint8 if full.max() < 256 else torch.int32)
+    real = torch.arange(seq)[None, :] < lengths[:, None]
+    row_of = torch.arange(rows)[:, None].expand_as(src)
+    out[row_of[real], src[real]] = full[real].to(out.dtype)
+    return out
+
+
+class Record:
+    """Keeps what a chunk's routers choose in the forward that follows: records[(micro, layer)]."""
+
+    def __init__(self, found: list[tuple[int, object]], records: dict | None, micro: int | None):
+        self.found, self.records, self.micro = (found, records, micro) if records is not None else ([], None, None)
+
+    def __enter__(self):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for _, replay in self.found:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        return self
+
+    def __exit__(self, *exc):
+        for layer, replay in self.found:
+            self.records[(self.micro, layer)] = replay.get_recorded_indices()
+            replay.clear_indices()
+            replay.clear_router_replay_action()
 
 
 class Replay:

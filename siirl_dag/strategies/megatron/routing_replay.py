@@ -1,7 +1,8 @@
-"""Routing replay (R3): each MoE router takes the experts the rollout chose for a token instead of
-its own top-k, so log-probs and the update compute what was sampled (or, R2, what the old log-probs
-computed: `recorded` gives back the experts the routers of a forward chose). Only the choice is replayed:
-the router's probabilities for the chosen experts come from its live logits, so it still trains.
+"""Routing replay: each MoE router takes the experts the rollout chose for a token instead of its own
+top-k, so log-probs and the update compute what was sampled (R3); or those the old log-probs' forward
+chose, so the update routes as they did (R2: `Record` and `recorded` give back what the routers of a
+forward chose). Only the choice is replayed: the router's probabilities for the chosen experts come
+from its live logits, so it still trains.
 
 `routed_experts` [B, P+R, layers, topk] is vLLM's record in the batch layout (every decoder layer,
 an expert id per slot; strategies/rollout_layout.py): it covers each row's real tokens but the last
@@ -14,8 +15,6 @@ sequence-first [s, b] order of its input, this rank's share under sequence and c
 from __future__ import annotations
 
 import torch
-
-KEY = "routed_experts"
 
 
 def align(routes: torch.Tensor, src: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Routing replay (R3) in the Megatron engine: a router replaying the experts it would choose itself
-changes nothing; replayed routes bring its log-probs closer to those of the forward that chose them
-(HF in bfloat16 standing in for a rollout engine, as vLLM returns routes only on GPUs); and replay
-under TP2 + SP, PP2 and EP2 gives the log-probs, loss and grad norm of one rank."""
+"""Routing replay in the Megatron engine: a router replaying the experts it would choose itself
+changes nothing, and records them as HF's fp32 forward routes; replayed routes bring its log-probs
+closer to those of the bf16 forward that chose them (vLLM's, captured from a prefill on CPU, and
+HF's); recording and replay under TP2 + SP, PP2 and EP2 give the routes, log-probs, loss and grad
+norm of one rank. And the YAML that asks for it, at the door."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ def test_replaying_its_own_routes_changes_nothing_and_rollout_routes_come_closer
     with_replay = (ref["rollout_replayed"] - ref["rollout_lp"]).abs()[mask]
     assert ref["flips"] > 0, "bfloat16 must flip some routes of this model for the comparison to mean anything"
     assert with_replay.mean() < without.mean() and with_replay.max() < without.max()
+
+
+@pytest.mark.engines
+def test_megatron_replaying_vllms_routes_comes_closer_to_vllms_log_probs():
+    """vLLM (bf16, each row prefilled alone, its routers' choices captured) against Megatron (fp32):
+    scripts/bench_routing_replay.py measures both ways."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "scripts/bench_routing_replay.py", "--json", "--rows", "8"], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout)
+    assert r["sampler"] == "vllm" and r["routes_flipped"] > 0
+    assert r["mean_abs_diff_replayed"] < r["mean_abs_diff_without"]
+    assert r["max_abs_diff_replayed"] < r["max_abs_diff_without"]
 
 
 @pytest.mark.engines

@@ -4,7 +4,6 @@
 old log-probs (Megatron), so the update routes as they did. Checks shared by both ends, run by `validate`."""
 
 from siirl_dag.errors import Problem
-from siirl_dag.strategies.megatron.options import RECOMPUTE_REPLAY
 
 KEY = "routed_experts"
 
@@ -25,7 +24,7 @@ def replays(params: dict) -> tuple[str, ...]:
 
 
 def problems(node, pipeline, param: str) -> list[Problem]:
-    """An MoE model, a device whose vLLM records routes, a training engine that does not recompute."""
+    """An MoE model, a device whose vLLM records routes, one role per node."""
     if not node.params.get(param):
         return []
     where = pipeline.node_path(node.id) + ("params", param)
@@ -36,12 +35,8 @@ def problems(node, pipeline, param: str) -> list[Problem]:
     if config and not (config.get("num_experts") or config.get("num_local_experts")):
         return [Problem(where, f"model '{node.model}' has no routed experts to replay; expected an MoE model, or "
                                f"{param}: false")]
-    found = []
     if node.strategy == "vllm" and pipeline.cluster.device != "cuda":
-        found.append(Problem(where, f"vLLM returns routed experts only from its Triton model runner, which needs a GPU; "
-                                    f"this cluster's device is {pipeline.cluster.device}; expected a CUDA cluster, or "
-                                    f"{param}: false"))
-    if node.strategy == "megatron" and node.kind == "actor_update" and \
-            (node.options.get("recompute_granularity") or node.options.get("moe_layer_recompute")):
-        found.append(Problem(pipeline.node_path(node.id) + ("options", "recompute_granularity"), RECOMPUTE_REPLAY))
-    return found
+        return [Problem(where, f"vLLM returns routed experts only from its Triton model runner, which needs a GPU; "
+                               f"this cluster's device is {pipeline.cluster.device}; expected a CUDA cluster, or "
+                               f"{param}: false")]
+    return []

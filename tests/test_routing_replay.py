@@ -1,8 +1,8 @@
 """Routing replay in the Megatron engine: a router replaying the experts it would choose itself
 changes nothing, and records them as HF's fp32 forward routes; replayed routes bring its log-probs
 closer to those of the bf16 forward that chose them (vLLM's, captured from a prefill on CPU, and
-HF's); recording and replay under TP2 + SP, PP2 and EP2 give the routes, log-probs, loss and grad
-norm of one rank. And the YAML that asks for it, at the door."""
+HF's); recording and replay under TP2 + SP, PP2 and EP2, and with activation recompute, give the routes,
+log-probs, loss and grad norm of one rank. And the YAML that asks for it, at the door."""
 
 from __future__ import annotations
 
@@ -95,6 +95,9 @@ CASES = {
     "tp2-sp": ({"tp": 2}, {"sequence_parallel": True, "moe_token_dispatcher_type": "alltoall"}),
     "pp2": ({"pp": 2}, {}),
     "ep2": ({"ep": 2}, {"moe_token_dispatcher_type": "alltoall"}),
+    # the backward re-runs the routers: they replay the queued routes, in 1F1B order across two stages
+    "pp2-full-recompute": ({"pp": 2}, {"recompute_granularity": "full"}),
+    "ep2-moe-layer-recompute": ({"ep": 2}, {"moe_token_dispatcher_type": "alltoall", "moe_layer_recompute": True}),
 }
 
 
@@ -128,7 +131,7 @@ def test_route_alignment_follows_the_tokens():
 MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2}
 
 
-def replay_pipeline(tmp_path, device="cuda", hf_config=MOE, record=True, train_options="{}", recorder="rollout"):
+def replay_pipeline(tmp_path, device="cuda", hf_config=MOE, record=True, recorder="rollout"):
     import json
 
     from test_config import BASE
@@ -142,7 +145,7 @@ def replay_pipeline(tmp_path, device="cuda", hf_config=MOE, record=True, train_o
             .replace("params: {output: old_logprobs}", "params: {output: old_logprobs, routing_replay: true}"
                      if recorder == "rollout" else "params: {output: old_logprobs, routed_experts: true}")
             .replace("    params: {mini_batch_size: 4}",
-                     f"    options: {train_options}\n    params: {{mini_batch_size: 4, routing_replay: true}}"))
+                     "    params: {mini_batch_size: 4, routing_replay: true}"))
     f = tmp_path / "p.yaml"
     f.write_text(text)
     return f
@@ -195,11 +198,6 @@ def test_replay_without_recorded_routes_is_refused(tmp_path):
     errors, _ = refusal(tmp_path, record=False)
     assert errors and all("routed_experts" in p.message for p in errors)
 
-
-def test_replay_with_recompute_is_refused(tmp_path):
-    errors, lines = refusal(tmp_path, train_options="{recompute_granularity: full}")
-    (p,) = errors
-    assert "recompute" in p.message and "recompute_granularity" in lines[p.line - 1]
 
 
 def test_packed_routes_sit_under_their_tokens_and_survive_a_partial_rollouts_unpacking():

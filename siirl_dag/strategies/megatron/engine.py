@@ -149,23 +149,28 @@ class MegatronEngine(Strategy):
         if id(model) not in self._routers:
             self._routers[id(model)] = routing_replay.routers(model)
         found = self._routers[id(model)]
-        with routing_replay.Replay(found, mb.get("_routed_experts"), self.config.sequence_parallel, self.device), \
-                routing_replay.Record(found, self._records, mb.get("_micro")):
+        recompute = self.opts["recompute_granularity"] == "full" or self.opts["moe_layer_recompute"]
+        with routing_replay.Replay(found, mb.get("_routed_experts"), self.config.sequence_parallel, self.device,
+                                   recompute), routing_replay.Record(found, self._records, mb.get("_micro")):
             out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
         return out, functools.partial(loss, mb)
 
     def _run(self, mbs: list[dict], loss: Callable, seq: int, mbs_size: int, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        return get_forward_backward_func()(
-            forward_step_func=functools.partial(self._forward_step, loss),
-            data_iterator=batching.iterate(mbs, len(self._model)),
-            model=self._model,
-            num_microbatches=len(mbs),
-            seq_length=seq,
-            micro_batch_size=mbs_size,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=functools.partial(self._forward_step, loss),
+                data_iterator=batching.iterate(mbs, len(self._model)),
+                model=self._model,
+                num_microbatches=len(mbs),
+                seq_length=seq,
+                micro_batch_size=mbs_size,
+                forward_only=forward_only,
+            )
+        finally:  # routes queued for recompute, or left by a failed step, go
+            for found in self._routers.values():
+                routing_replay.reset(found)
 
     def _prepare(self, batch: Mapping[str, Any], replay_routes: bool = False) -> tuple[dict, int]:
         """Align rows to a sequence length all DP ranks agree on (EP collectives span DP); with
@@ -275,8 +280,6 @@ class MegatronEngine(Strategy):
         compute_logprobs.
         """
         self._need(False, "train")
-        if replay_routes and (self.opts["recompute_granularity"] or self.opts["moe_layer_recompute"]):
-            raise ConfigError(options.RECOMPUTE_REPLAY, ("options", "recompute_granularity"))
 
         def loss(mb, logits, totals):
             return loss_fn(*logprobs.response_logprobs(mb, logits, self.spec.vocab_size, self.mesh.cp, 1.0, entropy), mb, totals)

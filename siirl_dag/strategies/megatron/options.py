@@ -14,10 +14,6 @@ from siirl_dag.config.schema import SCHEMA_DIR
 from siirl_dag.errors import ConfigError, Problem
 
 SCHEMA_PATH = SCHEMA_DIR / "strategies" / "megatron.schema.json"
-# the routers of a recomputed forward would pick their own experts: replay holds a micro batch's routes
-# for its forward only
-RECOMPUTE_REPLAY = ("routing replay with activation recompute is not built: the recomputed forward would route "
-                    "anew; expected recompute_granularity: null and moe_layer_recompute: false")
 
 
 @functools.lru_cache(maxsize=1)

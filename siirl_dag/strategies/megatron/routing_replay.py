@@ -112,11 +112,14 @@ class Record:
 
 
 class Replay:
-    """Sets a chunk's routers to replay one micro batch's routes for the forward that follows."""
+    """Sets a chunk's routers to replay one micro batch's routes for the forward that follows. With
+    `recompute` (activation recompute re-runs the routers in the backward) the routes also queue for
+    it: between forwards the routers replay the queue (megatron's REPLAY_BACKWARD), which the
+    schedule's backwards take in the order the forwards came, per router; `reset` empties it."""
 
     def __init__(self, found: list[tuple[int, object]], routes: torch.Tensor | None, sequence_parallel: bool,
-                 device: torch.device):
-        self.found = found if routes is not None else []
+                 device: torch.device, recompute: bool = False):
+        self.found, self.recompute = (found if routes is not None else []), recompute
         if self.found:
             tokens = local_tokens(routes, sequence_parallel).to(device)
             self.targets = [tokens[:, layer] for layer, _ in self.found]
@@ -126,10 +129,24 @@ class Replay:
 
         for (_, replay), target in zip(self.found, getattr(self, "targets", ())):
             replay.target_topk_idx = target
+            if self.recompute:
+                replay.replay_backward_list.append(target)
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         return self
 
     def __exit__(self, *exc):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
         for _, replay in self.found:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+            if self.recompute:
+                replay.target_topk_idx = None
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                reset([(None, replay)])
+
+
+def reset(found: list[tuple[int, object]]) -> None:
+    """Routers back to their own top-k, nothing kept (after a schedule's run)."""
+    for _, replay in found:
+        replay.clear_indices()
+        replay.clear_router_replay_action()

@@ -225,3 +225,15 @@ def test_packed_routes_sit_under_their_tokens_and_survive_a_partial_rollouts_unp
     aligned = batching.align(batch, 6, replay_topk=2)["routed_experts"]
     assert aligned[0, :, 0, 0].tolist() == [0, 1, 2, 3, 0, 0]
     assert aligned[1, :, 0].tolist() == [[0, 1], [1, 2], [2, 3], [0, 1], [0, 1], [0, 1]]
+
+
+def test_plan_says_who_records_the_routes_and_who_replays_them(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "plan", str(replay_pipeline(tmp_path))],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = {line.split()[0]: line for line in res.stdout.splitlines()[1:6]}
+    assert lines["rollout"].endswith("records the experts each token is routed to")
+    assert lines["actor_update"].endswith("routes each token through the experts rollout recorded")

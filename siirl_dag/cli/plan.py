@@ -33,6 +33,16 @@ def _shared(pipe, node) -> str:
     return f"; adapters off on {owner}'s engine: no weights of its own" if owner else "; adapters off"
 
 
+def _routes(pipe, node) -> str:
+    """Routing replay: which node records the experts each token is routed to, and which replay them."""
+    if "routed_experts" in pipe.produces(node.id):
+        return "; records the experts each token is routed to"
+    if "routed_experts" in pipe.consumes(node.id):
+        source = next((n for n in pipe.nodes if "routed_experts" in pipe.produces(n)), "?")
+        return f"; routes each token through the experts {source} recorded"
+    return ""
+
+
 def main(args) -> int:
     if args.alloc:
         if args.pipeline:
@@ -55,7 +65,7 @@ def main(args) -> int:
     print(f"pipeline '{pipe.name}': {pipe.cluster.describe()}")
     for n in pipe.nodes.values():
         where = f"{n.strategy} on mesh '{n.mesh}' ({pipe.meshes[n.mesh].alloc})" if n.strategy else "cpu (driver side)"
-        print(f"  {n.id:<16} {n.kind:<14} {where}{_shared(pipe, n)}")
+        print(f"  {n.id:<16} {n.kind:<14} {where}{_shared(pipe, n)}{_routes(pipe, n)}")
     for name, model in pipe.models.items():
         if model.lora:
             print(f"  model {name}: LoRA rank {model.lora.rank}, alpha {model.lora.alpha:g} on "

@@ -649,7 +649,7 @@ def test_roll_parallel_sizes_must_be_positive_ints(tmp_path, tp):
 def test_a_null_roll_parallel_size_is_unset(tmp_path):
     text = BASE.replace("mesh: train, model: policy, params: {output: old_logprobs}", ROLL_NODE.replace("TP", "null"))
     pipe = load_pipeline(write(tmp_path, text), ["cluster.devices_per_node=5"])
-    assert pipe.meshes["old_logprob"].alloc == "megatron:d2t1p1"
+    assert pipe.meshes["old_logprob"].alloc == "megatron:d2"
 
 
 USER_KINDS = {"kind_raises": "raise RuntimeError('boom at import')\n", "kind_syntax": "def fn(:\n",

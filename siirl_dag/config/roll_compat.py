@@ -13,6 +13,7 @@ from collections import Counter
 
 from siirl_dag.config import schema
 from siirl_dag.errors import Problem
+from siirl_dag.placement.allocation import spell
 from siirl_dag.placement.rules import OPTION_SIZES
 
 # ROLL strategy name -> (our strategy, allocation backend)
@@ -88,8 +89,7 @@ def _alloc_from_options(strategy: str, sizes: dict[str, int], n_devices: int) ->
     if n_devices % per_replica:
         raise ValueError(f"{n_devices} devices do not split into replicas of tp {tp} x pp {pp} x cp {cp} = {per_replica}; "
                          f"expected a multiple of {per_replica}")
-    dims = f"d{n_devices // per_replica}t{tp}p{pp}" + (f"c{cp}" if cp > 1 else "") + (f"e{ep}" if ep > 1 else "")
-    return f"{strategy}:{dims}"
+    return spell(strategy, n_devices // per_replica, tp, pp, cp, ep)
 
 
 def normalize(doc: dict, positions: dict) -> list[Problem]:

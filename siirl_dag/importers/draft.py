@@ -16,15 +16,6 @@ from siirl_dag.importers.source import Source
 POLICY, CRITIC = "policy", "critic"
 
 
-def allocation(backend: str, d: int, t: int = 1, p: int = 1, c: int = 1, e: int = 1, etp: int = 1) -> str:
-    """An allocation string, sizes of 1 (other than d) left out. Experts split by tensor parallel too
-    (etp > 1, megatron-core's default etp = t in verl and ROLL) need MoE folding to say so."""
-    dims = "".join(f"{k}{v}" for k, v in (("t", t), ("p", p), ("c", c)) if v > 1)
-    if e > 1 and etp > 1:
-        return f"{backend}:(attn:d{d}{dims}|ffn:t{etp}" + (f"p{p}" if p > 1 else "") + f"e{e})"
-    return f"{backend}:d{d}{dims}" + (f"e{e}" if e > 1 else "")
-
-
 PARQUET_NOTE = "data files are read as parquet here: convert them (pyarrow, or the datasets library's to_parquet)"
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from siirl_dag.config.roll_compat import parse_device_list
-from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, allocation, strategy_options
+from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
+from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.source import Source
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from siirl_dag.importers.draft import Draft, allocation
+from siirl_dag.importers.draft import Draft
+from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.shell_script import read_script
 from siirl_dag.importers.source import Source
 

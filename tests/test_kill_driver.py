@@ -19,7 +19,7 @@ from test_e2e import PIPELINE, QUICK, SEPARATE
 from siirl_dag.runtime import reaper
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 20
+STEPS = 12
 
 
 def start(folder: Path) -> subprocess.Popen:

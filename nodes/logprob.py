@@ -24,8 +24,8 @@ def _checks(node, pipeline) -> list:
     return problems
 
 
-@node_kind("logprob", consumes=lambda params: INPUTS + routing.replays(params), produces=_produces, strategies=("megatron",), params_schema="logprob",
-           check=_checks)
+@node_kind("logprob", consumes=lambda params: INPUTS + routing.replays(params), produces=_produces,
+           strategies=("megatron",), params_schema="logprob", check=_checks)
 def logprob(batch, ctx):
     """Forward only; writes `params.output` (old_logprobs or ref_logprobs), and `entropy` /
     `routed_experts` when asked."""

@@ -4,12 +4,13 @@
 old log-probs (Megatron), so the update routes as they did. Checks shared by both ends, run by `validate`."""
 
 from siirl_dag.errors import Problem
+from siirl_dag.strategies.vllm.options import ROUTES_NEED_GPU
 
 KEY = "routed_experts"
 
 
 def records(params: dict) -> tuple[str, ...]:
-    """The key a recording rollout adds to what it produces."""
+    """The key a recording node (a rollout, or the old log-probs) adds to what it produces."""
     return (KEY,) if params.get("routed_experts") else ()
 
 
@@ -36,7 +37,6 @@ def problems(node, pipeline, param: str) -> list[Problem]:
         return [Problem(where, f"model '{node.model}' has no routed experts to replay; expected an MoE model, or "
                                f"{param}: false")]
     if node.strategy == "vllm" and pipeline.cluster.device != "cuda":
-        return [Problem(where, f"vLLM returns routed experts only from its Triton model runner, which needs a GPU; "
-                               f"this cluster's device is {pipeline.cluster.device}; expected a CUDA cluster, or "
-                               f"{param}: false")]
+        return [Problem(where, f"{ROUTES_NEED_GPU}; this cluster's device is {pipeline.cluster.device}; expected a "
+                               f"CUDA cluster, or {param}: false")]
     return []

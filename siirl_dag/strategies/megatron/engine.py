@@ -58,6 +58,8 @@ class MegatronEngine(Strategy):
         routing_replay.release(self.chunks)
         self._routers: dict[int, list] = {}  # id(model chunk) -> its MoE routers, for routing replay
         self._records: dict | None = None  # while recording routes: (micro batch, layer) -> the experts chosen
+        # a recomputed forward re-runs the routers: replayed routes queue for it (routing_replay.Replay)
+        self._routers_recompute = self.opts["recompute_granularity"] == "full" or self.opts["moe_layer_recompute"]
         self.train_state: optim.Trainable | None = None
         bound = hf_convert.bind(self.chunks, self.spec.value_head)  # resolved once, for every export
         self._exports = {"model": [b for b in bound if not b.rule.lora], "adapters": [b for b in bound if b.rule.lora]}
@@ -149,9 +151,8 @@ class MegatronEngine(Strategy):
         if id(model) not in self._routers:
             self._routers[id(model)] = routing_replay.routers(model)
         found = self._routers[id(model)]
-        recompute = self.opts["recompute_granularity"] == "full" or self.opts["moe_layer_recompute"]
         with routing_replay.Replay(found, mb.get("_routed_experts"), self.config.sequence_parallel, self.device,
-                                   recompute), routing_replay.Record(found, self._records, mb.get("_micro")):
+                                   self._routers_recompute), routing_replay.Record(found, self._records, mb.get("_micro")):
             out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
         return out, functools.partial(loss, mb)
 
@@ -227,7 +228,8 @@ class MegatronEngine(Strategy):
         if record_routes:
             rows = padded[0]
             out["routed_experts"] = routing_replay.recorded(
-                records, n_micro * mbs, seq, self.spec.num_layers, self.spec.moe_topk, self.config.sequence_parallel,
+                records, n_micro * mbs, seq, self.spec.num_layers, self.spec.moe_topk, self.spec.num_experts,
+                self.config.sequence_parallel,
                 batching.source_positions(rows, seq), rows["attention_mask"].sum(1), batch["input_ids"].shape[1])[:n_rows]
         for k in keys:
             if self._ps().is_pipeline_last_stage(ignore_virtual=True):

@@ -62,12 +62,13 @@ def local_tokens(routes: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     return tokens.reshape(-1, *routes.shape[2:])
 
 
-def recorded(records: dict[tuple[int, int], torch.Tensor], rows: int, seq: int, layers: int, topk: int,
+def recorded(records: dict[tuple[int, int], torch.Tensor], rows: int, seq: int, layers: int, topk: int, experts: int,
              sequence_parallel: bool, src: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
     """What the routers chose, {(micro batch, layer): [tokens, K]} of this rank, as the batch's
     `routed_experts` [rows, total, L, K]: the tokens of every TP / CP rank and the layers of every
     pipeline stage put together (each rank fills only its own entries of a zero tensor, then a sum),
-    back in the batch layout (`src`: batching.source_positions); 0 on padding."""
+    back in the batch layout (`src`: batching.source_positions); 0 on padding. uint8 up to 256
+    `experts`, int32 past them, as a rollout's (rollout_layout)."""
     from megatron.core import parallel_state as ps
 
     positions = local_tokens(torch.arange(seq)[None, :, None, None], sequence_parallel).flatten()
@@ -84,7 +85,7 @@ def recorded(records: dict[tuple[int, int], torch.Tensor], rows: int, seq: int, 
             on = full.to(device)
             torch.distributed.all_reduce(on, group=group)
             full = on.cpu()
-    out = torch.zeros(rows, total, layers, topk, dtype=torch.uint8 if full.max() < 256 else torch.int32)
+    out = torch.zeros(rows, total, layers, topk, dtype=torch.uint8 if experts <= 256 else torch.int32)
     real = torch.arange(seq)[None, :] < lengths[:, None]
     row_of = torch.arange(rows)[:, None].expand_as(src)
     out[row_of[real], src[real]] = full[real].to(out.dtype)

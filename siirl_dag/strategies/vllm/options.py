@@ -14,6 +14,8 @@ SCHEMA_PATH = SCHEMA_DIR / "strategies" / "vllm.schema.json"
 SAMPLING_OPTIONS = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids")
 # Per-call keys: the options above, plus a seed and two shorthands for evaluation rollouts.
 SAMPLING_KEYS = SAMPLING_OPTIONS + ("seed", "greedy", "validate")
+# why `return_routed_experts` (a rollout's routed_experts: true) is refused without CUDA
+ROUTES_NEED_GPU = "vLLM returns routed experts only from its Triton model runner, which needs a GPU"
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
 from siirl_dag.strategies.rollout_layout import PARTIAL, Sample, pack_batch, prompt_token_ids
-from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
+from siirl_dag.strategies.vllm.options import ROUTES_NEED_GPU, resolve_options, sampling_kwargs
 from siirl_dag.strategies.vllm.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,8 @@ class VllmRollout(Strategy):
             kwargs.update(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=1)
         if opts["return_routed_experts"]:  # for routing replay; recorded by the model runner V2 only
             if cpu_compat.active():
-                raise ConfigError("vLLM returns routed experts only from its Triton model runner, which needs a GPU; "
-                                  "expected return_routed_experts: false on CPU", ("options", "return_routed_experts"))
+                raise ConfigError(f"{ROUTES_NEED_GPU}; expected return_routed_experts: false on CPU",
+                                  ("options", "return_routed_experts"))
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             kwargs["enable_return_routed_experts"] = True
         if group and dist.get_world_size() != self.ctx.world_size:

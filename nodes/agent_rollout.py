@@ -40,7 +40,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
 
 
 @node_kind("agent_rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",),
-           params_schema="agent_rollout", check=_check, check_data=_template_fits, prompt_lengths=_prompt_lengths)
+           params_schema="agent_rollout", check=_check, expands=True, check_data=_template_fits, prompt_lengths=_prompt_lengths)
 def agent_rollout(batch, ctx):
     """Trajectories of up to max_turns turns (n per prompt, one greedy in validation)."""
     from siirl_dag.strategies.rollout_layout import Sample, pack_batch, prompt_token_ids

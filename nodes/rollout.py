@@ -94,7 +94,7 @@ def weight_versions(out: dict, P: int, version: int, earlier=None) -> dict:
 
 
 @node_kind("rollout", consumes=("raw_prompt",), produces=lambda params: PRODUCES + routing.records(params),
-           strategies=("vllm",), params_schema="rollout", check=_checks, check_data=_prompts_fit,
+           strategies=("vllm",), params_schema="rollout", check=_checks, expands=True, check_data=_prompts_fit,
            prompt_lengths=_prompt_lengths, resumes=True, engine_options=routing.recording_engine)
 def rollout(batch, ctx):
     """Generate responses; rows are expanded n-fold (samples of one prompt adjacent), each token with

@@ -1,23 +1,16 @@
-"""The DAG of a pipeline and its structural checks: ids, deps, cycles, reachability, data flow, and
-the phases of a step with dynamic sampling.
-
-Data flow is checked from the kinds' contracts: every key a node consumes must be produced by exactly
-one of its ancestors (or come from the data loader), so a missing or ambiguous producer is found
-before anything starts.
+"""The DAG of a pipeline and its structural checks: ids, deps and bindings, cycles, reachability, and
+the phases of a step with dynamic sampling. What flows along the edges: `dataflow`.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Callable
 
 import networkx as nx
 
 from siirl_dag.errors import Problem
 
-# Keys every batch starts with: what the data loader yields per prompt.
-SOURCE_KEYS = ("raw_prompt", "uid", "data_source", "ground_truth", "extra_info")
 
 
 def _hint(word: str, choices) -> str:
@@ -25,8 +18,20 @@ def _hint(word: str, choices) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def parse_binding(value) -> tuple[str, str] | None:
+    """`NODE.KEY` -> (NODE, KEY); None for anything else (node ids hold no dot, keys may)."""
+    if not isinstance(value, str):
+        return None
+    node, dot, key = value.partition(".")
+    return (node, key) if dot and node and key and not key.startswith(".") else None
+
+
+EXPECTED_BINDING = "expected NODE.KEY: the id of an upstream node, a dot, a key it produces (e.g. rollout.responses)"
+
+
 def build_graph(nodes: list[dict]) -> tuple[nx.DiGraph, list[Problem]]:
-    """Graph of dep -> node edges from raw node dicts (ids already schema-checked)."""
+    """Graph of dep -> node edges from raw node dicts (ids already schema-checked); a binding in
+    `inputs` (KEY: NODE.KEY) is a dependency on NODE too."""
     problems: list[Problem] = []
     graph = nx.DiGraph()
     for i, node in enumerate(nodes):
@@ -43,6 +48,18 @@ def build_graph(nodes: list[dict]) -> tuple[nx.DiGraph, list[Problem]]:
                 problems.append(Problem(("nodes", i, "deps", j), f"unknown dependency '{dep}'{_hint(dep, graph.nodes)}; expected the id of another node"))
             else:
                 graph.add_edge(dep, node["id"])
+        for key, value in node.get("inputs", {}).items():
+            where, bound = ("nodes", i, "inputs", key), parse_binding(value)
+            if bound is None:
+                problems.append(Problem(where, f"'{value}' is not a binding; {EXPECTED_BINDING}"))
+            elif bound[0] == node["id"]:
+                problems.append(Problem(where, f"'{value}' binds node '{bound[0]}' to its own output; {EXPECTED_BINDING}"))
+            elif bound[0] not in graph:
+                problems.append(Problem(where, f"unknown node '{bound[0]}' in '{value}'{_hint(bound[0], graph.nodes)}; "
+                                               f"{EXPECTED_BINDING}"))
+            else:
+                graph.add_edge(bound[0], node["id"])
+                graph.edges[bound[0], node["id"]].setdefault("bound", []).append(key)
     return graph, problems
 
 
@@ -54,35 +71,18 @@ def check_structure(graph: nx.DiGraph) -> list[Problem]:
         k = cycle.index(start)
         ordered = cycle[k:] + cycle[:k]
         names = " -> ".join(ordered + [ordered[0]])
-        problems.append(Problem(("nodes", graph.nodes[start]["index"], "deps"),
-                                f"dependency cycle {names}; the graph must be acyclic (weights flow back with `weights_from`, not deps)"))
+        into = graph.edges[ordered[-1], start]  # the edge that closes the loop at `start`
+        where = ("inputs", into["bound"][0]) if "bound" in into else ("deps",)
+        bound = "; ".join(f"'{b}' binds {a}.{k}" for a, b in zip(ordered, ordered[1:] + ordered[:1])
+                          for k in graph.edges[a, b].get("bound", []))
+        problems.append(Problem(("nodes", graph.nodes[start]["index"]) + where,
+                                f"dependency cycle {names}{f' ({bound})' if bound else ''}; the graph must be acyclic "
+                                "(weights flow back with `weights_from`, not deps or inputs)"))
     sources = [n for n in graph if graph.in_degree(n) == 0]
     reached = set(sources).union(*(nx.descendants(graph, s) for s in sources)) if sources else set()
     for n in graph:
         if n not in reached:
             problems.append(Problem(("nodes", graph.nodes[n]["index"]), f"node '{n}' is not reachable from any source node (a node with no deps)"))
-    return problems
-
-
-def check_data_flow(graph: nx.DiGraph, consumes: Callable[[str], tuple], produces: Callable[[str], tuple]) -> list[Problem]:
-    """Every consumed key has exactly one producer upstream (or comes from the data loader)."""
-    problems = []
-    producers_of: dict[str, list[str]] = {}
-    for n in graph:
-        for key in produces(n):
-            producers_of.setdefault(key, []).append(n)
-    for n in graph:
-        ancestors = nx.ancestors(graph, n)
-        index = graph.nodes[n]["index"]
-        for key in consumes(n):
-            upstream = [p for p in producers_of.get(key, []) if p in ancestors]
-            if len(upstream) > 1:
-                problems.append(Problem(("nodes", index), f"'{n}' consumes '{key}', produced by several upstream nodes "
-                                        f"({', '.join(sorted(upstream))}); expected exactly one producer"))
-            elif not upstream and key not in SOURCE_KEYS:
-                elsewhere = [p for p in producers_of.get(key, []) if p != n]
-                fix = (f"add '{elsewhere[0]}' to its deps" if elsewhere else f"add a node that produces '{key}'")
-                problems.append(Problem(("nodes", index, "deps"), f"'{n}' consumes '{key}' but no upstream node produces it; {fix}"))
     return problems
 
 
@@ -129,4 +129,13 @@ def phase_problems(pipe) -> list[Problem]:
         out += [Problem(pipe.node_path(filters[0]) + ("deps",), f"'{filters[0]}' filters rows, so it and its "
                         f"ancestors run again until the batch is full, and '{t}' would train in each round; "
                         f"expected no training node upstream of '{filters[0]}'") for t in trainers]
+        first = {filters[0]} | nx.ancestors(pipe.graph, filters[0])
+        for n in [m for m in pipe.nodes if m not in first]:  # the kept rows reach the rest as one batch: a key by its name alone
+            for key, (src, src_key) in pipe.nodes[n].inputs.items():
+                others = sorted(u for u in first - {src} if src_key in pipe.produces(u))
+                if src in first and others:
+                    out.append(Problem(pipe.node_path(n) + ("inputs", key), f"'{src}' runs before '{filters[0]}', which "
+                                       f"hands its kept rows on as one batch, where '{src_key}' of '{src}' and of "
+                                       f"{', '.join(others)} cannot both be kept; expected one producer of '{src_key}' "
+                                       f"before '{filters[0]}'"))
     return out

@@ -40,6 +40,8 @@ class NodeKind:
     # what its params ask of the engine it runs on: engine_options(params) -> options, set as if the
     # node wrote them (a rollout returning routed experts needs an engine started to record them)
     engine_options: Callable[[dict], dict] | None = None
+    # its output rows are its input rows repeated `options.n` times (samples per prompt), its inputs re-emitted
+    expands: bool = False
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -90,12 +92,13 @@ MEMORY_ESTIMATES: dict[str, str] = {
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
               check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False,
-              resumes: bool = False, engine_options: Callable | None = None):
+              resumes: bool = False, engine_options: Callable | None = None, expands: bool = False):
     """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
-                        params_schema, trains, check, check_data, prompt_lengths, filters_rows, resumes, engine_options)
+                        params_schema, trains, check, check_data, prompt_lengths, filters_rows, resumes, engine_options,
+                        expands)
         fn.node_kind = kind
         if name is not None:
             if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):

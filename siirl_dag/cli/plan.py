@@ -43,6 +43,13 @@ def _routes(pipe, node) -> str:
     return ""
 
 
+def _reads(pipe, node) -> str:
+    """Its bindings, and the policy its metrics go under when several train."""
+    bound = ", ".join(f"{k} <- {src}.{key}" for k, (src, key) in node.inputs.items())
+    policy = pipe.metric_prefix(node.id)
+    return (f"; reads {bound}" if bound else "") + (f"; metrics under '{policy}'" if policy else "")
+
+
 def main(args) -> int:
     if args.alloc:
         if args.pipeline:
@@ -53,7 +60,10 @@ def main(args) -> int:
     pipe = load_pipeline(args.pipeline, args.overrides)
     if args.json:
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
-                          "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh} for n in pipe.nodes.values()},
+                          "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh, "serves": pipe.serves.get(n.id),
+                                           "inputs": {k: f"{src}.{key}" for k, (src, key) in n.inputs.items()}}
+                                    for n in pipe.nodes.values()},
+                          "policies": list(pipe.policies),
                           "memory": pipe.memory.to_json() if pipe.memory else None,
                           "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings],
                           "schedule": {"name": pipe.runtime.schedule, "staleness": pipe.runtime.staleness,
@@ -65,7 +75,7 @@ def main(args) -> int:
     print(f"pipeline '{pipe.name}': {pipe.cluster.describe()}")
     for n in pipe.nodes.values():
         where = f"{n.strategy} on mesh '{n.mesh}' ({pipe.meshes[n.mesh].alloc})" if n.strategy else "cpu (driver side)"
-        print(f"  {n.id:<16} {n.kind:<14} {where}{_shared(pipe, n)}{_routes(pipe, n)}")
+        print(f"  {n.id:<16} {n.kind:<14} {where}{_shared(pipe, n)}{_routes(pipe, n)}{_reads(pipe, n)}")
     for name, model in pipe.models.items():
         if model.lora:
             print(f"  model {name}: LoRA rank {model.lora.rank}, alpha {model.lora.alpha:g} on "

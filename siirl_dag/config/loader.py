@@ -15,7 +15,8 @@ from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
 from siirl_dag.config.yaml_loader import load_yaml, locate
 from siirl_dag.errors import ConfigError, Problem
-from siirl_dag.graph import build_graph, check_data_flow, check_structure, phase_problems, topological_order
+from siirl_dag import dataflow
+from siirl_dag.graph import build_graph, check_structure, parse_binding, phase_problems, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.placement.memory import plan_memory
@@ -326,7 +327,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         i, raw = raw_nodes[node_id]
         nodes[node_id] = NodeSpec(node_id, raw["kind"], i, tuple(raw["deps"]), raw.get("strategy"), raw.get("mesh"),
                                   raw.get("model"), raw.get("options", {}), raw["params"], raw.get("weights_from"),
-                                  raw["retry_limit"])
+                                  raw["retry_limit"], {k: parse_binding(v) for k, v in raw.get("inputs", {}).items()})
     data = doc["data"]
     files = lambda v: tuple([v] if isinstance(v, str) else v or [])  # noqa: E731
     pipe = Pipeline(
@@ -339,7 +340,12 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     )
     if _errors(problems):  # a LoRA block that does not fit its model
         raise ConfigError(located(problems))
-    problems += check_data_flow(graph, pipe.consumes, pipe.produces)
+    problems += dataflow.binding_problems(pipe)
+    if not _errors(problems):
+        pipe.rows, found = dataflow.rows_per_prompt(pipe)
+        pipe.policies, pipe.serves = tuple(dataflow.policies(pipe)), dataflow.served_policies(pipe)
+        pipe.scorers, more = dataflow.scorers(pipe)
+        problems += found + more
     problems += _check_weights_from(nodes, pipe.kinds)
     if place and not _errors(problems):
         try:

@@ -125,6 +125,7 @@ class NodeSpec:
     params: dict = field(default_factory=dict)
     weights_from: str | None = None
     retry_limit: int = 0
+    inputs: dict = field(default_factory=dict)  # consumed key -> (node, its key there): `inputs: {KEY: NODE.KEY}`
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class TrainerSpec:
     tensorboard_dir: str | None
     log_dir: str | None
     export_hf: bool
-    val_score_key: str
+    val_score_key: str | list
     trace: bool
     log_trajectories: int
 
@@ -184,6 +185,10 @@ class Pipeline:
     warnings: list[Problem] = field(default_factory=list)
     positions: dict = field(default_factory=dict, repr=False)  # key path -> (line, col) in `file`
     touched: dict = field(default_factory=dict, repr=False)  # key path -> the override that set it
+    rows: dict = field(default_factory=dict)  # node id -> rows per prompt of its input (dataflow.rows_per_prompt)
+    serves: dict = field(default_factory=dict)  # node id -> the policy it works for (dataflow.served_policies)
+    policies: tuple = ()  # the models sampled from and trained (dataflow.policies)
+    scorers: list = field(default_factory=list)  # (node, key) pairs validation scores (dataflow.scorers)
 
     def error(self, path: tuple, message: str) -> ConfigError:
         """A ConfigError located in the pipeline file, for checks made after loading (data, checkpoints)."""
@@ -202,12 +207,13 @@ class Pipeline:
         return self.kinds[node_id].produced(self.nodes[node_id].params)
 
     def samples_per_prompt(self, node_id: str) -> int:
-        """Rows per prompt in the batch this node sees: the product of upstream rollouts' n."""
-        n = 1
-        for up in nx.ancestors(self.graph, node_id):
-            if self.nodes[up].strategy == "vllm":
-                n *= int(self.nodes[up].options.get("n", 1))
-        return n
+        """Rows per prompt in the batch this node sees (the n of the rollouts its rows come from)."""
+        return self.rows.get(node_id, 1)
+
+    def metric_prefix(self, node_id: str) -> str:
+        """'<policy>/' before a node's metrics when several policies train, else '' (verl's names)."""
+        policy = self.serves.get(node_id)
+        return f"{policy}/" if policy and len(self.policies) > 1 else ""
 
     def data_parallel_size(self, node_id: str) -> int:
         mesh = self.nodes[node_id].mesh
@@ -227,6 +233,7 @@ class Pipeline:
             "meshes": {m.name: {"alloc": m.alloc, "devices": list(m.devices) if m.devices else None,
                                 "colocate_with": m.colocate_with} for m in self.meshes.values()},
             "nodes": [{"id": n.id, "kind": n.kind, "deps": list(n.deps), "strategy": n.strategy, "mesh": n.mesh,
+                       "inputs": {k: ".".join(v) for k, v in n.inputs.items()}, "serves": self.serves.get(n.id),
                        "model": n.model, "weights_from": n.weights_from, "consumes": list(self.consumes(n.id)),
                        "produces": list(self.produces(n.id)), "options": n.options, "params": n.params}
                       for n in self.nodes.values()],

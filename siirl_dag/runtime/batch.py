@@ -62,6 +62,12 @@ class Batch(Mapping):
         keys = set(keys)
         return Batch({k: v for k, v in self.tensors.items() if k in keys}, {k: v for k, v in self.meta.items() if k in keys})
 
+    def renamed(self, names: Iterable[tuple[str, str]]) -> "Batch":
+        """The keys named in `names` ((key here, key in the result) pairs; one key may take two names)."""
+        names = list(names)
+        return Batch({new: self.tensors[old] for old, new in names if old in self.tensors},
+                     {new: self.meta[old] for old, new in names if old in self.meta})
+
     def merge(self, other: Mapping[str, Any]) -> "Batch":
         """A new batch with `other`'s keys added (or replaced); row counts must match."""
         extra = other if isinstance(other, Batch) else Batch.from_dict(other)

@@ -15,7 +15,7 @@ from typing import Iterable
 import networkx as nx
 
 from siirl_dag.errors import PipelineError
-from siirl_dag.graph import SOURCE_KEYS
+from siirl_dag.dataflow import SOURCE, SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
@@ -26,7 +26,6 @@ from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
 
-SOURCE = "__source__"
 COMPUTE = "__compute__"
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
 
@@ -44,6 +43,7 @@ class StepResult:
     metrics: dict = field(default_factory=dict)
     outputs: dict = field(default_factory=dict)  # node id -> NodeOutput
     spans: dict = field(default_factory=dict)  # node id -> (start, end) wall time at the driver
+    writers: dict = field(default_factory=dict, repr=False)  # metric name -> the node that wrote it
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Runtime:
         # each node's ancestors, nearest (latest in DAG order) first: where its inputs come from
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
         self.attempts: dict[str, int] = {}
+        self.said: set = set()  # (metric, node) collisions reported
         # weight versions: updates done by each training node, and (`syncs`) the version each consumer holds
         self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
         self.weight_syncs = WeightSyncs(self)
@@ -213,28 +214,36 @@ class Runtime:
         mesh = self.pipe.nodes[node_id].mesh
         return self._anchor(mesh) if mesh else COMPUTE
 
-    def _owner(self, key: str, node_id: str, outputs: dict) -> str:
-        """The node whose output holds `key` for `node_id`: the latest upstream holder in DAG order."""
-        for up in self.upstream[node_id]:
+    def _owner(self, key: str, node_id: str, outputs: dict) -> tuple[str, str]:
+        """Where `node_id` reads `key` (dataflow.producer): (its binding's node, key), or the latest upstream
+        output holding it; the step's source batch where the producer did not run in this job (the second
+        phase of dynamic sampling gets the kept rows as its source)."""
+        bound = self.pipe.nodes[node_id].inputs.get(key)
+        if bound and bound[0] in outputs:
+            return bound
+        name = bound[1] if bound else key
+        for up in [] if bound else self.upstream[node_id]:
             if up in outputs and key in outputs[up].keys:
-                return up
-        if key in outputs[SOURCE].keys or key in SOURCE_KEYS:
-            return SOURCE
-        raise KeyError(f"no output holds '{key}' for node '{node_id}'")
+                return up, key
+        if name in outputs[SOURCE].keys or name in SOURCE_KEYS:
+            return SOURCE, name
+        raise KeyError(f"no output holds '{name}' for node '{node_id}'")
 
     def dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0,
                  segment_tokens: int | None = None) -> _Running:
         pipe, outputs = self.pipe, result.outputs
         resuming = node_id in outputs  # a partial rollout's next segment: its own output in, to continue
-        owners: dict[str, list[str]] = {node_id: sorted(outputs[node_id].keys)} if resuming else {}
+        # per output read: (its key, the key as this node sees it)
+        owners: dict[str, list[tuple[str, str]]] = {node_id: [(k, k) for k in sorted(outputs[node_id].keys)]} \
+            if resuming else {}
         # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
         # per prompt) re-emits so that later nodes read it in their own row space
         wanted = [] if resuming else list(pipe.consumes(node_id)) + [k for k in SOURCE_KEYS if k not in pipe.consumes(node_id)]
         for key in wanted:
-            owner = self._owner(key, node_id, outputs)
-            if owner == SOURCE and key not in outputs[SOURCE].keys:
+            owner, name = self._owner(key, node_id, outputs)
+            if owner == SOURCE and name not in outputs[SOURCE].keys:
                 continue  # optional data column (extra_info, say) absent from this data set
-            owners.setdefault(owner, []).append(key)
+            owners.setdefault(owner, []).append((name, key))
         if not owners:  # consumes nothing: sees the row space of its nearest upstream output
             owners[self._owner_of_rows(node_id, outputs)] = []
         space = outputs[next(iter(owners))]
@@ -293,9 +302,24 @@ class Runtime:
         result.outputs[run.node] = NodeOutput(shards, keys, start, tokens)
         if run.node in self.versions and not validating:
             self.versions[run.node] += 1
-        result.metrics.update(by_dp[0][2]["metrics"] if by_dp else {})
+        self._add_metrics(result, run.node, by_dp[0][2]["metrics"] if by_dp else {})
         result.metrics[f"timing_s/{run.node}"] = end - run.started
         result.spans[run.node] = (run.started, end)
+
+    def _add_metrics(self, result: StepResult, node: str, metrics: dict) -> None:
+        """A node's metrics into its step's, under its policy's prefix when several train (dataflow);
+        a name another node of the step wrote already is kept under `<node>/` as well, never lost."""
+        prefix = self.pipe.metric_prefix(node)
+        for name, value in metrics.items():
+            key = prefix + name
+            writer = result.writers.setdefault(key, node)
+            if writer != node:
+                if (key, node) not in self.said:
+                    self.said.add((key, node))
+                    self.progress(f"[metrics] '{key}' is written by '{writer}' and '{node}'; '{node}'s is logged as "
+                                  f"'{prefix}{node}/{name}'")
+                key = f"{prefix}{node}/{name}"
+            result.metrics[key] = value
 
     def _retry_or_raise(self, run: _Running, exc: Exception, result, step, validating, running) -> None:
         self.stop_if_machines_lost(step)

@@ -223,11 +223,12 @@ class RankWorker:
 
 
 def _assemble(inputs: list, shards: tuple) -> Batch:
-    """inputs: [(keys, [(shard index, lo, hi), ...]), ...] -> one Batch with all keys."""
+    """inputs: [([(key there, key here), ...], [(shard index, lo, hi), ...]), ...] -> one Batch with all
+    keys, each under the name this node reads it by (a binding may rename it)."""
     batch = None
-    for keys, pieces in inputs:
-        parts = [Batch.from_wire(shards[i], keys, lo, hi) for i, lo, hi in pieces]
-        part = Batch.concat(parts) if parts else Batch()
+    for names, pieces in inputs:
+        parts = [Batch.from_wire(shards[i], [there for there, _ in names], lo, hi) for i, lo, hi in pieces]
+        part = (Batch.concat(parts) if parts else Batch()).renamed(names)
         batch = part if batch is None else batch.merge(part)
     return batch if batch is not None else Batch()
 

@@ -29,11 +29,12 @@ class MetricsLogger:
             self.writer.flush()
         if advance:
             self.bar.update(1)
-            if "critic/score/mean" in numbers:
-                self.bar.set_postfix(score=f"{numbers['critic/score/mean']:.3f}")
+            scores = [v for k, v in numbers.items() if k.endswith("critic/score/mean")]
+            if scores:
+                self.bar.set_postfix(score="/".join(f"{v:.3f}" for v in scores))
         if self.console:
-            shown = {k: numbers[k] for k in _CONSOLE_KEYS if k in numbers}
-            shown.update({k: v for k, v in numbers.items() if k.startswith("val-core/")})
+            # verl's names, each under every policy's prefix when several train (`<policy>/actor/pg_loss`)
+            shown = {k: v for k, v in numbers.items() if k.endswith(_CONSOLE_KEYS) or "val-core/" in k}
             self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items()), file=terminal())
 
     def close(self) -> None:

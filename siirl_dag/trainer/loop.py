@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the runtime (torch, Ray) loads at `fit`: the checks at cons
 
 
 def _source(rows: list[dict], epoch_tag: str = "") -> Batch:
-    """Data-loader rows -> the batch every step starts from (keys: graph.SOURCE_KEYS)."""
+    """Data-loader rows -> the batch every step starts from (keys: dataflow.SOURCE_KEYS)."""
     from siirl_dag.runtime import Batch
 
     return Batch(meta={"raw_prompt": [r["raw_prompt"] for r in rows], "uid": [f"{epoch_tag}{r['index']}" for r in rows],
@@ -154,7 +154,7 @@ class Trainer:
                         metrics.update(self.ahead.drain())
                     if validating:
                         metrics.update(self.validate())
-                        history["val_last"] = {k: v for k, v in metrics.items() if k.startswith("val-core/")}
+                        history["val_last"] = {k: v for k, v in metrics.items() if "val-core/" in k}
                     if saving:
                         self.progress(f"[trainer] step {self.step}: saving a checkpoint ...")
                         began, wall = time.perf_counter(), time.time()
@@ -210,29 +210,32 @@ class Trainer:
         return metrics
 
     def validate(self) -> dict:
-        """Greedy rollouts over the validation set; mean score per data source."""
-        pipe, key = self.pipe, self.pipe.trainer.val_score_key
-        producer = next((n for n in pipe.nodes if key in pipe.produces(n)), None)
-        if producer is None:
+        """Greedy rollouts over the validation set; each scorer's (dataflow.scorers) mean score per data
+        source, under its policy's prefix when several train."""
+        pipe, scorers = self.pipe, self.pipe.scorers
+        if not scorers:
             return {}
         import networkx as nx
 
-        wanted, began = {producer} | nx.ancestors(pipe.graph, producer), time.time()
+        wanted, began = set().union(*({s} | nx.ancestors(pipe.graph, s) for s, _ in scorers)), time.time()
         size = pipe.data.val_batch_size or len(self.val_data)
         per_source, to_log = defaultdict(list), pipe.trainer.log_trajectories
         for start in range(0, len(self.val_data), size):
             rows = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
             result = self.rt.run_step(_source(rows, "val-"), self.step, validating=True, nodes=wanted)
-            batch = self.rt.collect(result, [key, "data_source", *(trajectories.KEYS if to_log else ())])
-            for src, score in zip(batch["data_source"], batch[key].sum(dim=-1).tolist()):
-                per_source[src].append(score)
-            if to_log:
-                logged = trajectories.lines(batch, key, self._response_tokenizer(), self.step, to_log)
-                trajectories.append(self.out_dir / "trajectories.jsonl", logged)
-                to_log -= len(logged)
+            for i, (node, key) in enumerate(scorers):
+                scored = result.outputs[node]
+                keys = ["data_source", *(trajectories.KEYS if to_log and i == 0 else ())]
+                batch = self.rt.gather(scored, [key]).merge(self.rt.collect(result, keys, rows=scored.rows))
+                for src, score in zip(batch["data_source"], batch[key].sum(dim=-1).tolist()):
+                    per_source[pipe.metric_prefix(node), src].append(score)
+                if to_log and i == 0:  # the first scorer's trajectories
+                    logged = trajectories.lines(batch, key, self._response_tokenizer(), self.step, to_log)
+                    trajectories.append(self.out_dir / "trajectories.jsonl", logged)
+                    to_log -= len(logged)
         if self.rt.trace is not None:
             self.rt.trace.driver("validation", began, step=self.step, prompts=len(self.val_data))
-        return {f"val-core/{src}/acc": sum(v) / len(v) for src, v in per_source.items()}
+        return {f"{prefix}val-core/{src}/acc": sum(v) / len(v) for (prefix, src), v in per_source.items()}
 
     def _response_tokenizer(self):
         """The tokenizer of the model that writes `responses` (ModelSpec loads it once per process)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from siirl_dag.config import Pipeline
-from siirl_dag.graph import SOURCE_KEYS, phases_of
+from siirl_dag.dataflow import SOURCE_KEYS, producer
+from siirl_dag.graph import phases_of
 from siirl_dag.placement import Component, parse_allocation
 
 
@@ -59,9 +60,14 @@ def strategies_used(pipe: Pipeline) -> list[Style]:
 
 
 def edge_keys(pipe: Pipeline, src: str, dst: str) -> list[str]:
-    """Keys that flow along src -> dst: what dst consumes and src produces."""
-    produced = set(pipe.produces(src))
-    return [k for k in pipe.consumes(dst) if k in produced]
+    """Keys that flow along src -> dst (what dst reads from src, dataflow.producer); a key bound in
+    dst's `inputs` shows its binding: `key ← src.key`."""
+    keys = []
+    for key in pipe.consumes(dst):
+        node, there = producer(pipe, dst, key)
+        if node == src:
+            keys.append(f"{key} ← {src}.{there}" if key in pipe.nodes[dst].inputs else key)
+    return keys
 
 
 def data_edges(pipe: Pipeline) -> list[tuple[str, list[str]]]:

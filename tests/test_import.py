@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from siirl_dag.config.yaml_loader import load_yaml
-from siirl_dag.importers.shell_script import Unresolved, expand, read_script
+from siirl_dag.importers.shell_script import read_script
+from siirl_dag.importers.shell_words import Unresolved, expand_one as expand
 from siirl_dag.main import main
 
 PEERS = Path(__file__).parent / "fixtures" / "peers"
@@ -221,3 +222,24 @@ def test_missing_sources_scripts_without_a_command_and_overwriting_the_source(tm
     with pytest.raises(SystemExit) as exc:
         main(["import", "--from", "nemo", str(SIIRL_SCRIPT), "-o", str(tmp_path / "p.yaml")])
     assert exc.value.code == 2
+
+
+SHELL_PIECES = ["$", "{", "}", "(", ")", "((", "))", "'", '"', "`", "\\", "\n", " ", "=", ":-", ":+", "-", "[@]", "#",
+                ";", "&&", "|", ">", "<<", "EOF", "X", "Y", "1", "0", "*", "/", "%", "+", ",,", "export ", "python3 -m ",
+                "verl.trainer.main_ppo ", "a.b=", "${X:-\"${HOME}/v\"}", "$(((1+2)))", "D=(a b)", '"${D[@]}"', "$((X/0))"]
+
+
+def test_no_text_makes_the_shell_reader_raise(tmp_path):
+    """Property: any text (seeded random runs of shell fragments) reads as a Source or a ConfigError."""
+    from siirl_dag.errors import ConfigError
+    import random
+    rng = random.Random(47)
+    script = tmp_path / "run.sh"
+    for _ in range(1500):
+        pieces = rng.choices(SHELL_PIECES, k=rng.randint(0, 40))
+        text = "".join(pieces) if rng.random() < 0.7 else "".join(chr(rng.randint(1, 0x24F)) for _ in range(60))
+        script.write_text("X=3\n" + text + ("\npython3 -m verl.trainer.main_ppo " + text if rng.random() < 0.5 else ""))
+        try:
+            read_script(script)
+        except ConfigError:
+            pass

@@ -44,6 +44,7 @@ TRAINER = {"total_epochs": "total_epochs", "total_training_steps": "total_steps"
            "resume_from_path": "resume_from_path", "default_local_dir": "default_local_dir",
            "project_name": "project_name", "experiment_name": "experiment_name",
            "max_actor_ckpt_to_keep": "max_ckpt_to_keep"}
+PATHS = ("default_local_dir", "resume_from_path")
 ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
 NO_COUNTERPART = {  # keys whose effect this engine has built in, or does not need
     f"{A}.model.use_remove_padding": "sequences are always packed without padding here",
@@ -94,17 +95,18 @@ def convert(src: Source) -> Draft:
     draft = Draft(
         name=str(src.take("trainer.experiment_name", Path(src.file).stem)).replace("_", "-"),
         cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
-        policy={"path": src.take(f"{A}.model.path", kind=str),
+        policy={"path": src.take_path(f"{A}.model.path"),
                 "dtype": src.take(f"{A}.actor.megatron.param_dtype", "bfloat16", kind=str),
                 "trust_remote_code": src.take(f"{A}.model.trust_remote_code", kind=bool)},
-        data={key: src.take(f"data.{key}") for key in DATA},
+        data={key: (src.take_path if key.endswith("_files") else src.take)(f"data.{key}") for key in DATA},
         meshes=meshes,
         rollout={ours: src.take(f"{A}.rollout.{key}") for key, ours in ROLLOUT_OPTIONS.items()},
         actor={ours: src.take(f"{A}.actor.{key}") for key, ours in ACTOR_OPTIONS.items()},
         actor_params={ours: src.take(f"{A}.actor.{key}") for key, ours in ACTOR_PARAMS.items()},
         advantage={"estimator": estimator, "norm_by_std": src.take("algorithm.norm_adv_by_std_in_grpo", kind=bool),
                    "gamma": src.take("algorithm.gamma"), "lam": src.take("algorithm.lam")},
-        trainer={ours: src.take(f"trainer.{key}") for key, ours in TRAINER.items()} | {"logger": _loggers(src)},
+        trainer={ours: (src.take_path if key in PATHS else src.take)(f"trainer.{key}") for key, ours in TRAINER.items()}
+        | {"logger": _loggers(src)},
     )
     draft.actor_params["use_kl_loss"] = use_kl_loss or None
     draft.actor_params["policy_loss"] = {"vanilla": None}.get(draft.actor_params["policy_loss"], draft.actor_params["policy_loss"])
@@ -206,7 +208,7 @@ def _lora(src: Source, draft: Draft) -> None:
 def _critic(src: Source, draft: Draft, devices: int) -> None:
     sizes = _megatron_sizes(src, "critic", devices)
     draft.meshes["critic"] = {"alloc": allocation("megatron", **sizes), "colocate_with": "actor"}
-    draft.critic_model = {"path": src.take("critic.model.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
+    draft.critic_model = {"path": src.take_path("critic.model.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
     draft.critic = {"lr": src.take("critic.optim.lr"), "micro_batch_size": src.take("critic.ppo_micro_batch_size_per_gpu", kind=int)}
     draft.critic_params = {"mini_batch_size": src.take("critic.ppo_mini_batch_size", draft.actor_params.get("mini_batch_size"), kind=int),
                            "epochs": src.take("critic.ppo_epochs", kind=int), "cliprange_value": src.take("critic.cliprange_value")}

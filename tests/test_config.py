@@ -768,7 +768,10 @@ def test_overlong_buffer_must_fit_the_response_limit(tmp_path):
 
 
 def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
-    (p,) = problems(tmp_path, BASE, ["runtime.schedule=one_step_off"])
+    pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off"])  # its staleness defaults to 1
+    assert pipe.runtime.staleness == 1
+    assert load_pipeline(write(tmp_path, BASE), ["runtime.schedule=async"]).runtime.staleness == 0
+    (p,) = problems(tmp_path, BASE, ["runtime.schedule=one_step_off", "runtime.staleness=0"])
     assert p.path == ("runtime", "staleness") and "expected runtime.staleness >= 1" in p.message
     colocated = BASE.replace("gen: vllm:d1", "gen: {alloc: 'vllm:d2', colocate_with: train}")
     (p,) = problems(tmp_path, colocated, ["runtime.schedule=one_step_off", "runtime.staleness=1"])

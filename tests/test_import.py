@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from siirl_dag.config import load_pipeline
 from siirl_dag.config.yaml_loader import load_yaml
-from siirl_dag.importers.shell_script import Unresolved, expand, read_script
+from siirl_dag.importers.shell_script import read_script
+from siirl_dag.importers.shell_words import Unresolved, expand_one as expand
 from siirl_dag.main import main
 
 PEERS = Path(__file__).parent / "fixtures" / "peers"
@@ -221,3 +223,118 @@ def test_missing_sources_scripts_without_a_command_and_overwriting_the_source(tm
     with pytest.raises(SystemExit) as exc:
         main(["import", "--from", "nemo", str(SIIRL_SCRIPT), "-o", str(tmp_path / "p.yaml")])
     assert exc.value.code == 2
+
+
+SHELL_PIECES = ["$", "{", "}", "(", ")", "((", "))", "'", '"', "`", "\\", "\n", " ", "=", ":-", ":+", "-", "[@]", "#",
+                ";", "&&", "|", ">", "<<", "EOF", "X", "Y", "1", "0", "*", "/", "%", "+", ",,", "export ", "python3 -m ",
+                "verl.trainer.main_ppo ", "a.b=", "${X:-\"${HOME}/v\"}", "$(((1+2)))", "D=(a b)", '"${D[@]}"', "$((X/0))"]
+
+
+def test_no_text_makes_the_shell_reader_raise(tmp_path):
+    """Property: any text (seeded random runs of shell fragments) reads as a Source or a ConfigError."""
+    from siirl_dag.errors import ConfigError
+    import random
+    rng = random.Random(47)
+    script = tmp_path / "run.sh"
+    for _ in range(1500):
+        pieces = rng.choices(SHELL_PIECES, k=rng.randint(0, 40))
+        text = "".join(pieces) if rng.random() < 0.7 else "".join(chr(rng.randint(1, 0x24F)) for _ in range(60))
+        script.write_text("X=3\n" + text + ("\npython3 -m verl.trainer.main_ppo " + text if rng.random() < 0.5 else ""))
+        try:
+            read_script(script)
+        except ConfigError:
+            pass
+
+
+SHAPES = Path(__file__).parent / "fixtures" / "import"  # written for these tests, in the peers' shapes
+
+
+def test_verl_one_step_off_script_keeps_its_split_schedule_and_says_what_it_left(tmp_path, capsys):
+    doc, report, plan = imported("verl", SHAPES / "verl_one_step_off_megatron.sh", tmp_path, capsys)
+    assert doc["runtime"] == {"schedule": "one_step_off"}
+    assert load_pipeline(tmp_path / "pipeline.yaml").runtime.staleness == 1  # one_step_off's default
+    assert doc["cluster"] == {"nodes": 2, "devices_per_node": 8, "device": "cuda"}  # 2 x (2 rollout + 6 training)
+    gen, actor = plan["meshes"]["gen"], plan["meshes"]["actor"]
+    assert len(gen["devices"]) == 4 and len(actor["devices"]) == 12 and not set(gen["devices"]) & set(actor["devices"])
+    assert dims(plan, "actor") | {"etp": 0} == {"dp": 3, "tp": 2, "pp": 2, "cp": 1, "ep": 1, "etp": 0}
+    options = node(doc, "actor_update")["options"]
+    assert options["sequence_parallel"] is True and options["use_distributed_optimizer"] is True  # the named config's
+    assert node(doc, "actor_update")["params"]["policy_loss"] == "gspo"
+    assert node(doc, "reward")["params"] == {"overlong_buffer_len": 128, "overlong_penalty_factor": 1.0}
+    assert doc["models"]["policy"]["path"] == "/root/models/Qwen2.5-7B"  # ${X:-"${HOME:-/root}/..."}
+    assert doc["data"]["train_files"] == "/data/dapo/train.parquet" and doc["trainer"]["resume_mode"] == "disable"
+    differences = {x["key"]: x["why"] for x in report["differences"]}
+    assert "$HOME is not assigned" in differences["trainer.default_local_dir"]  # written as is, and said so
+    assert "one step off" in differences["rollout.n_gpus_per_node"]
+    not_carried = {x["key"]: x["why"] for x in report["not_carried"]}
+    assert "command substitution" in not_carried["trainer.experiment_name"]
+    assert "$UNSET_PROJECT is not assigned" in not_carried["trainer.project_name"] and "$@" in not_carried
+    assert "trainer.nnodes" in {x["key"] for x in report["carried_over"]}
+    head = (tmp_path / "pipeline.yaml").read_text().split("name:")[0]
+    assert "# Carried over as written:" in head and "trainer.project_name" in head
+
+
+def test_verl_named_megatron_config_with_dapo_and_lora(tmp_path, capsys):
+    doc, report, plan = imported("verl", SHAPES / "verl_megatron_dapo_lora.sh", tmp_path, capsys)
+    assert node(doc, "filter")["params"] == {"metric": "token_level_scores", "max_gen_batches": 5}
+    assert node(doc, "advantage")["deps"] == ["filter"] and node(doc, "old_logprob")["deps"] == ["filter"]
+    assert doc["models"]["policy"]["lora"] == {"rank": 32, "alpha": 16, "target_modules": ["all-linear"]}
+    options = node(doc, "actor_update")["options"]
+    assert options["dynamic_micro_batch_tokens"] == 8192 and options["sequence_parallel"] is True
+    assert doc["meshes"]["gen"]["colocate_with"] == "actor" and "runtime" not in doc
+
+
+def test_areal_fsdp_layouts_cosine_lora_and_spellings(tmp_path, capsys):
+    doc, report, plan = imported("areal", SHAPES / "areal_fsdp_cosine_lora.yaml", tmp_path, capsys)
+    assert doc["meshes"]["actor"] == "megatron:d2p1t2" and dims(plan, "actor")["tp"] == 2  # fsdp:d2p1t2, same layout
+    options = node(doc, "actor_update")["options"]
+    assert options["lr_decay_style"] == "cosine" and options["lr_decay_steps"] == 400  # 200 steps x 2 mini batches
+    assert options["min_lr"] == pytest.approx(2e-6) and options["lr_warmup_steps"] == 20
+    params = node(doc, "actor_update")["params"]
+    assert params["policy_loss"] == "gspo" and params["rollout_is_threshold"] == 5.0  # behave_ spelling
+    assert node(doc, "critic_update")["params"]["cliprange_value"] == 0.5  # critic.eps_clip
+    assert doc["models"]["policy"]["lora"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert doc["trainer"]["total_steps"] == 200
+    assert "fsdp becomes megatron" in {x["key"]: x["why"] for x in report["differences"]}["actor.backend"]
+
+
+def test_areal_cosine_without_a_length_is_kept_constant_and_said(tmp_path, capsys):
+    source = tmp_path / "areal.yaml"
+    source.write_text((SHAPES / "areal_fsdp_cosine_lora.yaml").read_text().replace("total_train_steps: 200\n", ""))
+    doc, report, _ = imported("areal", source, tmp_path, capsys)
+    assert node(doc, "actor_update")["options"].get("lr_decay_style", "constant") == "constant"
+    assert "set the actor's lr_decay_style" in {x["key"]: x["why"] for x in report["differences"]}[
+        "actor.optimizer.lr_scheduler_type"]
+
+
+def test_roll_rollout_on_part_of_the_training_devices_is_colocated(tmp_path, capsys):
+    doc, report, plan = imported("roll", SHAPES / "roll_subset_lora.yaml", tmp_path, capsys)
+    assert plan["meshes"]["gen"]["devices"] == plan["meshes"]["actor"]["devices"] == list(range(16))
+    assert "0-11 lie inside actor's devices 0-15" in {x["key"]: x["why"] for x in report["differences"]}[
+        "actor_infer.device_mapping"]
+    assert doc["models"]["policy"]["lora"]["rank"] == 32 and node(doc, "actor_update")["params"]["policy_loss"] == "gspo"
+    assert "sequence parallel needs tensor parallel > 1" in {x["key"]: x["why"] for x in report["not_carried"]}[
+        "actor_train.strategy_args.strategy_config.sequence_parallel"]
+
+
+def test_roll_async_generation_on_devices_of_its_own(tmp_path, capsys):
+    source = tmp_path / "roll.yaml"
+    source.write_text((SHAPES / "roll_subset_lora.yaml").read_text().replace("list(range(0,12))", "list(range(16,24))")
+                      + "async_generation_ratio: 1\n")
+    doc, _, plan = imported("roll", source, tmp_path, capsys)
+    assert doc["runtime"] == {"schedule": "async", "staleness": 1} and plan["meshes"]["gen"]["devices"] == list(range(16, 24))
+
+
+@pytest.mark.parametrize("peer, source, expected", [
+    ("roll", SHAPES / "roll_agentic.yaml", "an agentic pipeline (multi-turn environments: train_env_manager, custom_envs)"),
+    ("areal", None, "an agent workflow (my.agents.Search)"),
+    ("verl", None, "a multi-turn rollout with tools"),
+])
+def test_agentic_configs_are_refused_up_front_saying_what_is_missing(tmp_path, capsys, peer, source, expected):
+    if source is None:
+        source = tmp_path / ("s.sh" if peer == "verl" else "s.yaml")
+        source.write_text("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.multi_turn.enable=True\n"
+                          if peer == "verl" else "workflow: my.agents.Search\nrollout: {backend: 'sglang:d1'}\n")
+    assert main(["import", "--from", peer, str(source), "-o", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "agent_rollout" in err and "Traceback" not in err

@@ -1,5 +1,6 @@
-"""`import --from siirl|verl|roll|areal SOURCE -o pipeline.yaml`: write the equivalent pipeline,
-list what could not be carried over (also as comments at the end of the file), then validate it."""
+"""`import --from siirl|verl|roll|areal SOURCE -o pipeline.yaml`: write the equivalent pipeline
+under a header auditing the import (what was carried over as written, what with a difference and
+what not, each with its line and why; `--json` gives the same as data), then validate it."""
 
 from __future__ import annotations
 
@@ -34,18 +35,30 @@ _Dumper.add_representer(dict, _flow_when_small)
 _Dumper.add_representer(list, _flow_when_scalars)
 
 
+def audit(imported: Imported) -> dict[str, list[dict]]:
+    """What was carried over as written, mapped (carried with a difference) and not carried, with why."""
+    row = lambda x: {"key": x.key, "line": x.line, "value": _plain(x.value), "why": x.why}  # noqa: E731
+    return {"carried_over": [row(x) for x in imported.source.carried()], "differences": [row(x) for x in imported.remarks],
+            "not_carried": [row(x) for x in imported.left]}
+
+
+def _plain(value):
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
 def render(imported: Imported) -> str:
-    """The pipeline YAML with a header naming the source and a footer naming what was left out."""
+    """The pipeline YAML under a header naming the source and auditing what was carried over."""
     src = imported.source
-    head = [f"# Imported from {imported.peer}: {Path(src.file).name} (python -m siirl_dag.main import --from "
-            f"{imported.peer} ...).", "# Check the paths, then: python -m siirl_dag.main validate THIS_FILE", ""]
-    body = yaml.dump(imported.pipeline, Dumper=_Dumper, sort_keys=False, width=110, allow_unicode=True)
-    tail = []
+    name = Path(src.file).name
+    head = [f"# Imported from {imported.peer}: {name} (python -m siirl_dag.main import --from {imported.peer} ...).",
+            f"# Carried over as written: {len(src.carried())} key(s) of {name} (import --json lists them)."]
     for title, items in ((f"Carried over with a difference ({len(imported.remarks)})", imported.remarks),
-                         (f"Not carried over from {Path(src.file).name} ({len(imported.left)})", imported.left)):
+                         (f"Not carried over from {name} ({len(imported.left)})", imported.left)):
         if items:
-            tail += ["", f"# {title}:"] + [f"#   line {x.line}: {x}" if x.line else f"#   {x}" for x in items]
-    return "\n".join(head) + body + "\n".join(tail) + ("\n" if tail else "")
+            head += [f"# {title}:"] + [f"#   line {x.line}: {x}" if x.line else f"#   {x}" for x in items]
+    head += ["# Check the paths, then: python -m siirl_dag.main validate THIS_FILE", ""]
+    body = yaml.dump(imported.pipeline, Dumper=_Dumper, sort_keys=False, width=110, allow_unicode=True)
+    return "\n".join(head) + body
 
 
 def main(args) -> int:
@@ -61,9 +74,7 @@ def main(args) -> int:
         problems, meshes = exc.problems, {}
     errors = [p for p in problems if p.severity == "error"]
     if args.json:
-        print(json.dumps({"output": str(out), "valid": not errors, "meshes": meshes,
-                          "not_carried": [{"key": x.key, "line": x.line, "why": x.why} for x in imported.left],
-                          "differences": [{"key": x.key, "line": x.line, "why": x.why} for x in imported.remarks],
+        print(json.dumps({"output": str(out), "valid": not errors, "meshes": meshes, **audit(imported),
                           "errors": [p.to_json() for p in problems]}, indent=2))
     else:
         print(f"wrote {out} from {imported.peer} configuration {imported.source.file}")
@@ -71,7 +82,7 @@ def main(args) -> int:
             print(f"  mesh {name}: {alloc}")
         for title, items in (("carried over with a difference", imported.remarks), ("not carried over", imported.left)):
             if items:
-                print(f"{title} ({len(items)}; also listed at the end of {out}):")
+                print(f"{title} ({len(items)}; also listed at the top of {out}):")
                 print("\n".join(f"  {imported.source.file}:{x.line}: {x}" if x.line else f"  {x}" for x in items))
         for p in problems:
             print(str(p), file=sys.stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from siirl_dag.errors import ConfigError
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
+from siirl_dag.importers.features import AGENTIC, decay_steps, lora, refuse
 from siirl_dag.importers.source import Source
 from siirl_dag.placement.allocation import parse_allocation
 
@@ -35,11 +36,15 @@ def read(path: str | Path) -> Source:
 
 
 def convert(src: Source) -> Draft:
+    _refuse_what_is_not_rlvr(src)
     for key, why in NO_COUNTERPART.items():
         src.drop_under(key, why)
     meshes, world, server = _meshes(src)
     experiment = src.take("experiment_name")
-    per_node = src.take("cluster.n_gpus_per_node", 8, kind=int)
+    per_node, device = src.take("cluster.n_gpus_per_node", 8, kind=int), "cuda"
+    if per_node < 1:  # AReaL's CPU template
+        per_node, device = max(world, 1), "cpu"
+        src.remark("cluster.n_gpus_per_node", f"no GPUs: a CPU run here, {per_node} CPU devices")
     nodes = src.take("cluster.n_nodes", -(-world // per_node), kind=int)
     batch = src.take("train_dataset.batch_size", kind=int)
     n = src.take("gconfig.n_samples", 1, kind=int)
@@ -51,7 +56,7 @@ def convert(src: Source) -> Draft:
     betas = [src.take(f"{optim}.beta1", 0.9), src.take(f"{optim}.beta2", 0.999)]
     draft = Draft(
         name=str(experiment or Path(src.file).stem).replace("_", "-"),
-        cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
+        cluster={"nodes": nodes, "devices_per_node": per_node, "device": device},
         policy={"path": src.take("actor.path", kind=str), "dtype": src.take("actor.dtype", kind=str)},
         data={"train_files": src.take("train_dataset.path"), "val_files": src.take("valid_dataset.path"),
               "train_batch_size": batch, "val_batch_size": src.take("valid_dataset.batch_size", kind=int),
@@ -67,6 +72,7 @@ def convert(src: Source) -> Draft:
                "lr_decay_style": DECAY.get(src.take(f"{optim}.lr_scheduler_type")),
                "dynamic_micro_batch_tokens": src.take("actor.mb_spec.max_tokens_per_mb", kind=int)},
         trainer={"total_epochs": src.take("total_train_epochs", kind=int), "seed": src.take("seed", kind=int),
+                 "total_steps": src.take("total_train_steps", kind=int),
                  "experiment_name": experiment,
                  "save_freq": src.take("saver.freq_steps", kind=int), "test_freq": src.take("evaluator.freq_steps", kind=int),
                  "resume_mode": {"disabled": "disable"}.get(src.take("recover.mode"), "auto")},
@@ -79,6 +85,12 @@ def convert(src: Source) -> Draft:
     if src.take("actor.gradient_checkpointing", False, kind=bool):
         draft.actor |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     _loss(src, draft, batch, n)
+    _lr(src, draft)
+    lora(draft, src.take("actor.lora_rank") if src.take("actor.use_lora", False) else None,
+         src.take("actor.lora_alpha"), src.take("actor.target_modules"))
+    for key in ("actor.peft_type", "rollout.use_lora", "rollout.lora_name", "sglang.enable_lora", "vllm.enable_lora",
+                "sglang.max_lora_rank", "vllm.max_lora_rank"):
+        src.take(key)
     _advantage(src, draft, n)
     _rollout_engine(src, draft, server)
     _asynchrony(src, draft)
@@ -103,7 +115,7 @@ def _meshes(src: Source) -> tuple[dict, int, str]:
     strings = {role: src.take(f"{role}.backend", "", kind=str) for role in ("rollout", "actor", "ref", "critic")}
     legacy = src.take("allocation_mode", "", kind=str)
     if legacy and not strings["actor"]:
-        components = _parse(src, "allocation_mode", legacy)
+        components = _parse(src, "allocation_mode", _legacy(src, legacy))
         strings["rollout"] = next((c for c in components if c.split(":")[0] in INFERENCE), "")
         strings["actor"] = next((c for c in components if c.split(":")[0] not in INFERENCE), "")
     elif legacy:
@@ -134,15 +146,55 @@ def _parse(src: Source, key: str, text: str) -> list[str]:
 
 def _ours(src: Source, key: str, text: str) -> tuple[str, int]:
     """An AReaL component in our spelling (backend renamed, dims as written), and its device count."""
-    parsed = parse_allocation(text) if _parse(src, key, text) else []
+    backend, _, body = text.strip().partition(":")
+    ours = f"{OURS.get(backend, backend)}:{body}"  # fsdp:d4p1t1 is Megatron's d4 p1 t1 here (fsdp takes no p)
+    parsed = parse_allocation(ours) if _parse(src, key, ours) else []
     if len(parsed) != 1:
         if parsed:
             src.problem(key, f"'{text}' has {len(parsed)} components; expected one engine's backend string")
         return text, 0
-    backend, body = parsed[0].backend, text.split(":", 1)[1]
     if OURS.get(backend) != backend:
-        src.remark(key, f"{backend} becomes {OURS.get(backend, backend)} here, on the same devices")
-    return f"{OURS.get(backend, backend)}:{body}", parsed[0].dims.world_size
+        src.remark(key, f"{backend} becomes {OURS.get(backend, backend)} here, on the same devices with the same layout "
+                        f"({body}: data, tensor, pipeline, context parallel as written)")
+    return ours, parsed[0].dims.world_size
+
+
+def _legacy(src: Source, text: str) -> str:
+    """Older allocation_mode spellings: `sglang.d4p1t1+d4p1t1` (a dot; a training part without backend, fsdp)."""
+    parts = [p.strip() for p in text.split("+")]
+    fixed = [p.replace(".", ":", 1) if p.split(".")[0] in INFERENCE else p for p in parts]
+    fixed = [p if ":" in p or "(" in p else f"fsdp:{p}" for p in fixed]
+    if fixed != parts:
+        src.remark("allocation_mode", f"read as {'+'.join(fixed)} (AReaL's older spelling: a training part without a "
+                                      "backend is fsdp)")
+    return "+".join(fixed)
+
+
+def _refuse_what_is_not_rlvr(src: Source) -> None:
+    """Agent workflows (multi-turn, tools, environments) and runs without a rollout (SFT, DPO, reward
+    models) are refused before anything is converted, saying what is missing."""
+    workflow = str(src.value("workflow", ""))
+    markers = [k for k in ("rollout.agent", "max_turns", "max_tokens_per_trajectory", "agent", "env", "tau2")
+               if src.under(k)]
+    if (workflow and "rlvr" not in workflow.lower()) or markers:
+        refuse(src, "workflow" if workflow else markers[0], f"an agent workflow ({workflow or markers[0]}); {AGENTIC}")
+    if not (src.value("rollout.backend") or src.value("allocation_mode") or src.under("gconfig")):
+        refuse(src, "", "no rollout (rollout.backend, allocation_mode, gconfig): an SFT, DPO or reward-model "
+                        "experiment, which is not RL training; expected an RL experiment")
+
+
+def _lr(src: Source, draft: Draft) -> None:
+    """AReaL's schedule: min_lr_ratio and warmup_steps_proportion of the run's optimizer steps."""
+    optim, steps = "actor.optimizer", draft.trainer.get("total_steps")
+    per_step = src.value("actor.ppo_n_minibatches", 1)
+    ratio, warmup = src.take(f"{optim}.min_lr_ratio", 0.0), src.take(f"{optim}.warmup_steps_proportion", 0.0)
+    if ratio and draft.actor.get("lr"):
+        draft.actor["min_lr"] = draft.actor["lr"] * ratio
+    if warmup and steps:
+        draft.actor["lr_warmup_steps"] = int(warmup * steps * per_step)
+    elif warmup:
+        src.remark(f"{optim}.warmup_steps_proportion", "no warm-up: the run's length in steps is not given (only epochs)")
+    decay_steps(src, draft, f"{optim}.lr_scheduler_type", steps, per_step)
 
 
 def _megatron_options(src: Source, meshes: dict) -> dict:
@@ -167,8 +219,11 @@ def _loss(src: Source, draft: Draft, batch: int | None, n: int) -> None:
     draft.actor_params = {"mini_batch_size": max((batch or minibatches) // minibatches, 1), "clip_ratio_low": clip,
                           "clip_ratio_high": src.take("actor.eps_clip_higher", clip),
                           "temperature": src.take("actor.temperature")}
+    if src.take("actor.importance_sampling_level", "token") in ("sequence", "seq"):
+        draft.actor_params["policy_loss"] = "gspo"
+        src.remark("actor.importance_sampling_level", "becomes policy_loss: gspo (one clipped ratio per sequence)")
     if src.take("actor.use_decoupled_loss", False, kind=bool):
-        cap = src.take("actor.behav_imp_weight_cap")
+        cap = src.take("actor.behav_imp_weight_cap", src.take("actor.behave_imp_weight_cap"))
         draft.actor_params |= {"rollout_is": "token", "rollout_is_threshold": cap}
         src.remark("actor.use_decoupled_loss", "becomes rollout_is: token (the loss weighed by truncated importance "
                                                "weights of the trainer's old policy over the rollout's)")
@@ -189,7 +244,7 @@ def _advantage(src: Source, draft: Draft, n: int) -> None:
         draft.critic_model = {"path": src.take("critic.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
         draft.critic = {"lr": src.take("critic.optimizer.lr")}
         draft.critic_params = {"mini_batch_size": draft.actor_params["mini_batch_size"],
-                               "cliprange_value": src.take("critic.value_eps_clip")}
+                               "cliprange_value": src.take("critic.value_eps_clip", src.take("critic.eps_clip"))}
         return
     draft.advantage = {"estimator": "grpo", "norm_by_std": None if std == "group" else False}
     if mean != "group":

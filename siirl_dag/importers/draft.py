@@ -54,6 +54,7 @@ class Draft:
     critic_params: dict = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)
     runtime: dict = field(default_factory=dict)
+    filter_groups: dict = field(default_factory=dict)  # DAPO's dynamic sampling: a filter_groups node after the reward
 
     def one_micro_batch(self) -> int | None:
         """Old log-probs and the actor update share one engine and so one micro_batch_size (the
@@ -69,15 +70,20 @@ class Draft:
         uses_ref = "ref" in self.meshes
         uses_critic = self.critic_model is not None
         models = {POLICY: drop_none(self.policy)} | ({CRITIC: drop_none(self.critic_model)} if uses_critic else {})
+        kl_in_reward = bool(self.reward.get("kl_coef"))  # the penalty needs both log-probs before the reward
         nodes = [_node("rollout", "rollout", [], mesh="gen", model=POLICY, weights_from="actor_update",
                        options=self.rollout),
-                 _node("reward", "reward", ["rollout"], params=self.reward)]
+                 _node("reward", "reward", ["rollout"] + (["old_logprob", "ref_logprob"] if kl_in_reward and uses_ref else []),
+                       params=self.reward)]
+        if self.filter_groups:
+            nodes.append(_node("filter", "filter_groups", ["reward"], params=self.filter_groups))
         if uses_critic:
             nodes.append(_node("values", "critic_value", ["rollout"], mesh="critic", model=CRITIC,
                                options=self.critic | {"value_head": True}))
-        nodes += [_node("advantage", "advantage", ["reward"] + (["values"] if uses_critic else []), params=self.advantage),
-                  _node("old_logprob", "logprob", ["rollout"], mesh="actor", model=POLICY, options=self.logprob,
-                        params={"output": "old_logprobs"})]
+        scored = "filter" if self.filter_groups else "reward"
+        nodes += [_node("advantage", "advantage", [scored] + (["values"] if uses_critic else []), params=self.advantage),
+                  _node("old_logprob", "logprob", ["filter" if self.filter_groups else "rollout"], mesh="actor",
+                        model=POLICY, options=self.logprob, params={"output": "old_logprobs"})]
         if uses_ref:
             nodes.append(_node("ref_logprob", "logprob", ["rollout"], mesh="ref", model=POLICY, options=self.ref,
                                params={"output": "ref_logprobs"}))

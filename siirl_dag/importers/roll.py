@@ -9,10 +9,12 @@ as `per_device_train_batch_size x gradient_accumulation_steps x data parallel` s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from siirl_dag.config.roll_compat import parse_device_list
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
+from siirl_dag.importers.features import AGENTIC, lora, refuse
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.source import Source
 
@@ -38,6 +40,9 @@ def read(path: str | Path) -> Source:
 
 
 def convert(src: Source) -> Draft:
+    agentic = [k for k in ("train_env_manager", "val_env_manager", "custom_envs", "env_manager") if src.under(k)]
+    if agentic:
+        refuse(src, src.under(agentic[0])[0], f"an agentic pipeline (multi-turn environments: {', '.join(agentic)}); {AGENTIC}")
     for key, why in NO_COUNTERPART.items():
         src.drop_under(key, why)
     per_node = src.take("num_gpus_per_node", 8, kind=int)
@@ -71,6 +76,7 @@ def convert(src: Source) -> Draft:
     )
     _advantage(src, draft)
     _actor(src, draft, actor_dp, n)
+    _features(src, draft)
     _rollout(src, draft, n)
     if "ref" in draft.meshes:
         draft.ref = _megatron_options(src, "reference") | {"micro_batch_size": src.take("reference.infer_batch_size", kind=int)}
@@ -114,8 +120,14 @@ def _meshes(src: Source) -> tuple[list[int], dict, int]:
         if role == "actor_train":
             actor_dp = len(devices) // replica
         key = tuple(sorted(devices))
+        wider = next((k for k in owners if set(devices) < set(k)), None)
         if key in owners:
             meshes[name] = {"alloc": alloc, "colocate_with": owners[key]}
+        elif wider is not None:  # ROLL's usual layout: a role on part of the training devices
+            meshes[name] = {"alloc": allocation(backend, len(wider) // replica, **sizes), "colocate_with": owners[wider]}
+            src.remark(f"{role}.device_mapping", f"{_span(sorted(devices))} lie inside {owners[wider]}'s devices "
+                       f"{_span(list(wider))}: colocated here, over all {len(wider)} of them (colocated meshes share "
+                       f"every device), {len(wider) // replica} replicas instead of {len(devices) // replica}")
         else:
             clash = sorted(set(devices) & set(used))
             if clash:
@@ -127,6 +139,34 @@ def _meshes(src: Source) -> tuple[list[int], dict, int]:
     return used, meshes, actor_dp
 
 
+def _features(src: Source, draft: Draft) -> None:
+    """LoRA, GSPO, dynamic batching and asynchronous generation, in ROLL's keys."""
+    args = "actor_train.model_args"
+    lora(draft, src.take(f"{args}.lora_rank", src.take("lora_rank")), src.take(f"{args}.lora_alpha", src.take("lora_alpha")),
+         src.take(f"{args}.lora_target", src.take("lora_target")))
+    for role in ("actor_infer", "reference"):
+        for key in ("lora_rank", "lora_alpha", "lora_target"):
+            src.take(f"{role}.model_args.{key}")
+    if src.take("importance_sampling", "token") in ("seq", "sequence"):
+        draft.actor_params["policy_loss"] = "gspo"
+        src.remark("importance_sampling", "becomes policy_loss: gspo (one clipped ratio per sequence)")
+    if src.take("actor_train.use_dynamic_batching_in_train", False, kind=bool):
+        draft.actor["dynamic_micro_batch_tokens"] = src.take("actor_train.max_tokens_per_microbatch_in_train", kind=int)
+    for role in ("actor_train", "reference"):
+        if src.take(f"{role}.use_dynamic_batching_in_infer", False, kind=bool):
+            tokens = src.take(f"{role}.max_tokens_per_microbatch_in_infer", kind=int)
+            target = draft.ref if role == "reference" else draft.logprob
+            if role == "reference" or draft.actor.get("dynamic_micro_batch_tokens") in (None, tokens):
+                target["dynamic_micro_batch_tokens"] = tokens
+    src.take("actor_infer.use_dynamic_batching_in_infer")
+    src.take("actor_infer.max_tokens_per_microbatch_in_infer")
+    ratio = src.take("async_generation_ratio", 0)
+    if ratio:
+        draft.runtime = {"schedule": "async", "staleness": max(1, math.ceil(ratio))}
+        src.remark("async_generation_ratio", f"becomes schedule async with staleness {draft.runtime['staleness']}: the "
+                                             "rollout generates ahead of the training on devices of its own")
+
+
 def _span(devices: list[int]) -> str | list[int]:
     """0..31 as '0-31'; a list otherwise."""
     contiguous = devices == list(range(devices[0], devices[-1] + 1))
@@ -136,7 +176,12 @@ def _span(devices: list[int]) -> str | list[int]:
 def _megatron_options(src: Source, role: str) -> dict:
     """strategy_config keys that are Megatron options here (the sizes went to the mesh)."""
     src.take(f"{role}.strategy_args.strategy_name")
-    options = strategy_options(src, f"{role}.strategy_args.strategy_config", "megatron", tuple(SIZES.values()))
+    config = f"{role}.strategy_args.strategy_config"
+    if src.value(f"{config}.sequence_parallel") and src.value(f"{config}.tensor_model_parallel_size", 1) == 1:
+        src.drop(f"{config}.sequence_parallel", "sequence parallel needs tensor parallel > 1; megatron ignores it at t1")
+        src.taken.discard(f"{config}.sequence_parallel")
+    options = strategy_options(src, config, "megatron", tuple(SIZES.values()) + ("sequence_parallel",) * (
+        f"{config}.sequence_parallel" in src.notes))
     if src.take(f"{role}.model_args.disable_gradient_checkpointing", True, kind=bool) is False:
         options |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     src.take(f"{role}.model_args.dtype")

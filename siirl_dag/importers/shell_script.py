@@ -1,188 +1,177 @@
 """The Hydra overrides of a run script (siiRL, verl), read without running anything.
 
 A script such as siiRL's `run_qwen3-8b-megatron.sh` sets variables (`export TP=2`,
-`N=${N:-8}`, `B=$((A * N))`) and then passes `key=value` arguments to `python3 -m
-siirl.main_dag` / `verl.trainer.main_ppo`, on continued lines or in a bash array. We read plain
-assignments, expand `$X`, `${X}`, `${X:-default}` and integer `$((...))` from them (parsed, never
-evaluated; the environment is not read: a default is taken as written), and return the command's
-overrides as a `Source` with each argument's line. Command substitutions (`$(date)`) are not run:
-what depends on them is left as written and reported.
+`N=${N:-8}`, `B=$((A * N))`, `ARGS=(a=1 b=2)`) and then passes `key=value` arguments to `python3
+-m siirl.main_dag` / `verl.trainer.main_ppo` (or a recipe's entry point), on continued lines or
+from a bash array. The script is read as bash words (`shell_words`), in order; the first training
+command's overrides become a `Source`, each argument with its line and typed as Hydra types it
+(`off` stays a string). A value only running the script would give (`$(date)`, `$1`, a variable
+the script does not assign) is not guessed: the key is kept as written and marked unresolved, so
+the importer lists it or uses the engine's default, and says which.
 """
 
 from __future__ import annotations
 
-import ast
-import operator
 import re
-import shlex
 from pathlib import Path
 
 import yaml
 
 from siirl_dag.config.yaml_loader import LimitedLoader
 from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.importers.shell_words import Unresolved, Word, commands, expand, expand_one
 from siirl_dag.importers.source import Source
 
-ENTRY_POINTS = re.compile(r"(siirl\.main_dag|verl\.trainer\.main_\w+|main_ppo|main_dag)\b")
-_ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(.*)$")
-_EXPANSION = re.compile(r"\\?\$(?:\(\((?P<arith>.*?)\)\)|\{(?P<name>[A-Za-z_]\w*)(?::?[-=](?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_]\w*))")
-_SUBSTITUTION = re.compile(r"\$\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")  # $(...) and $((...)), one word to the shell
-_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv,
-          ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-
-
-class Unresolved(ValueError):
-    """A variable the script does not assign, or a value only running it would give."""
-
-
-def _arith(text: str, env: dict[str, str | Unresolved]) -> int:
-    """Shell integer arithmetic (+ - * / %, parentheses, variables), parsed with `ast`, never evaluated."""
-    text = re.sub(r"\$\{?([A-Za-z_]\w*)\}?", r"\1", text)
-    try:
-        tree = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        raise Unresolved(f"$(({text})) is not integer arithmetic") from None
-
-    def value(node) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.Name):
-            raw = _lookup(node.id, env)
-            if not re.fullmatch(r"\s*-?\d+\s*", raw):
-                raise Unresolved(f"${node.id} is {raw!r}, not an integer")
-            return int(raw)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
-            right = value(node.right)
-            if right == 0 and type(node.op) in (ast.Div, ast.FloorDiv, ast.Mod):
-                raise Unresolved(f"$(({text})) divides by zero")
-            return _ARITH[type(node.op)](value(node.left), right)
-        raise Unresolved(f"$(({text})) is not integer arithmetic")
-
-    return value(tree)
-
-
-def _lookup(name: str, env: dict[str, str | Unresolved]) -> str:
-    value = env.get(name, Unresolved(f"${name} is not assigned in the script"))
-    if isinstance(value, Unresolved):
-        raise value
-    return value
-
-
-def expand(text: str, env: dict[str, str | Unresolved]) -> str:
-    """`text` with the script's variables substituted; raises Unresolved for what cannot be."""
-    if "$(" in text.replace("$((", ""):
-        raise Unresolved("a command substitution $(...), which is not run")
-
-    def one(m: re.Match) -> str:
-        if m.group("arith") is not None:
-            return str(_arith(m.group("arith"), env))
-        name = m.group("name") or m.group("bare")
-        if name not in env and m.group("default") is not None:
-            return " ".join(shlex.split(m.group("default")))
-        return _lookup(name, env)
-
-    return _EXPANSION.sub(one, text)
-
-
-def _words(text: str, posix: bool = True) -> list[str]:
-    """Shell words of a line; spaces inside $(...) and $((...)) do not split a word."""
-    protected = _SUBSTITUTION.sub(lambda m: m.group(0).replace(" ", "\0"), text)
-    return [w.replace("\0", " ") for w in shlex.split(protected, comments=True, posix=posix)]
-
-
-def _assignment(line: str, env: dict[str, str | Unresolved]) -> None:
-    """A plain `[export] NAME=value` line, expanded now as the shell does; anything else is skipped."""
-    m = _ASSIGN.match(line)
-    if not m or m.group(2).startswith("("):
-        return
-    name, rest = m.groups()
-    try:
-        words = _words(rest, posix=False)
-    except ValueError:
-        return
-    if len(words) > 1:  # `A=b cmd` runs a command: not a plain assignment
-        return
-    word = words[0] if words else ""
-    if word[:1] == word[-1:] == "'" and len(word) > 1:
-        env[name] = word[1:-1]  # single quotes: taken literally
-        return
-    try:
-        env[name] = expand(word[1:-1] if word[:1] == word[-1:] == '"' and len(word) > 1 else word, env)
-    except Unresolved as exc:
-        env[name] = exc
-
-
-def _command_lines(lines: list[str]) -> list[tuple[int, str]]:
-    """(line number, text) of the training command: a continued command line or a bash array."""
-    for i, line in enumerate(lines):
-        code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
-        if not ENTRY_POINTS.search(code):
-            continue
-        out, j = [], i
-        in_array = i > 0 and bool(re.match(r"^\s*(?:export\s+)?[A-Za-z_]\w*=\($", lines[i - 1].split("#", 1)[0].rstrip()))
-        while j < len(lines):
-            text = lines[j].rstrip()
-            if in_array and text.strip() == ")":
-                break
-            out.append((j + 1, text.removesuffix("\\")))
-            if not in_array and not text.endswith("\\"):
-                break
-            j += 1
-        return out
-    return []
+ENTRY_POINTS = re.compile(r"(siirl\.main_dag|\bmain_(?:dag|ppo|dapo|grpo|spin|prime|\w*ppo)\b|fully_async_main|"
+                          r"one_step_off_policy\.main\w*)")
+NOT_RL = re.compile(r"\b(main_generation\w*|main_eval|\w*sft_trainer|main_sft)\b")
+_ASSIGN = re.compile(r"([A-Za-z_]\w*)(\+?)=(.*)", re.S)
+_ARRAY_USE = re.compile(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?')
+_KEYWORDS = {"then", "else", "do", "{", "}", "!", "time", "nohup", "exec", "if", "elif", "while", "until"}
+_DECLARE = {"export", "declare", "local", "readonly", "typeset"}
+_HYDRA_STRINGS = {"on", "off", "yes", "no", "y", "n"}  # YAML 1.1 booleans that Hydra reads as strings
 
 
 def read_script(path: str | Path) -> Source:
     """The overrides that the script's training command passes, as a Source (keys dotted)."""
     path = str(path)
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(Problem((), f"cannot read the run script ({exc}); expected a readable shell script", file=path)) from None
-    command = _command_lines(lines)
-    if not command:
-        raise ConfigError(Problem((), "no training command found; expected a line running `python3 -m siirl.main_dag` or "
-                                      "`verl.trainer.main_ppo` with key=value arguments", file=path, line=1))
-    env: dict[str, str | Unresolved] = {}
-    for line in lines[: command[0][0] - 1]:
-        _assignment(line.strip(), env)
-    source = Source(path, {})
-    started = False
-    for number, text in command:
-        try:
-            words = _words(text)
-        except ValueError as exc:
-            source.problems.append(Problem((), f"cannot split the arguments ({exc}); expected shell words", file=path, line=number))
+    env: dict = {}
+    arrays: dict[str, list[tuple[list[str] | Unresolved, str, int]]] = {}
+    for words in commands(text):
+        while words and words[0].raw in _KEYWORDS:
+            words = words[1:]
+        entry = _entry(words, env)
+        if entry is not None:
+            source, twice = Source(path, {}), False
+            m = _ASSIGN.fullmatch(words[entry].raw)
+            if m and m.group(3).startswith("(") and m.group(3).endswith(")"):  # CMD=(python3 -m ... k=v): run by eval
+                inner = [Word(w.raw, words[entry].line + w.line - 1) for c in commands(m.group(3)[1:-1]) for w in c]
+                words, entry, twice = inner, _entry(inner, env) or 0, True
+            _arguments(words[entry + 1:], env, arrays, source, twice)
+            source.raise_problems()
+            return source.resolve()
+        _assignments(words, env, arrays)
+    refused = NOT_RL.search(text)
+    if refused:
+        raise ConfigError(Problem((), f"this script runs {refused.group(1)}, which is not RL training; expected a script "
+                                      "running `python3 -m verl.trainer.main_ppo` or `siirl.main_dag`", file=path, line=1))
+    raise ConfigError(Problem((), "no training command found; expected a line running `python3 -m siirl.main_dag` or "
+                                  "`verl.trainer.main_ppo` with key=value arguments", file=path, line=1))
+
+
+def _entry(words: list[Word], env: dict) -> int | None:
+    """Index of the word naming the training entry point (as written, or once expanded)."""
+    for i, word in enumerate(words):
+        if ENTRY_POINTS.search(word.raw):
+            return i
+        if "$" in word.raw:
+            try:
+                if ENTRY_POINTS.search(expand_one(word.raw, env)):
+                    return i
+            except Unresolved:
+                pass
+    return None
+
+
+def _assignments(words: list[Word], env: dict, arrays: dict) -> None:
+    """`[export] A=1 B=(x y)` sets variables in order; `A=1 cmd` (an environment for one command) does not."""
+    declared = bool(words) and words[0].raw in _DECLARE
+    if declared:
+        words = [w for w in words[1:] if not w.raw.startswith("-")]
+    matches = [_ASSIGN.fullmatch(w.raw) for w in words]
+    if not words or not all(matches) or (not declared and len(words) != len(matches)):
+        return
+    for word, m in zip(words, matches):
+        name, append, value = m.groups()
+        if value.startswith("(") and value.endswith(")"):
+            elements = _array(value[1:-1], word.line, env)
+            arrays[name] = (arrays.get(name, []) if append else []) + elements
+            env[name] = [w for values, _, _ in arrays[name] if isinstance(values, list) for w in values]
             continue
-        for word in words:
-            if not started:
-                started = bool(ENTRY_POINTS.search(word))
-                continue
-            _argument(word, number, env, source)
-    source.raise_problems()
-    return source
+        try:
+            new = expand_one(value, env)
+            env[name] = (env.get(name, "") if append and isinstance(env.get(name), str) else "") + new
+        except Unresolved as exc:
+            env[name] = exc
+        arrays.pop(name, None)
 
 
-def _argument(word: str, number: int, env: dict[str, str | Unresolved], source: Source) -> None:
-    if word in ("$@", "${@}") or word.startswith("${") and word.endswith("[@]}"):
-        source.keys[word] = (word, number)
-        source.drop(word, "arguments passed to the script itself; pass them to this engine as overrides")
+def _array(inner: str, first_line: int, env: dict) -> list[tuple[list[str] | Unresolved, str, int]]:
+    """A bash array's elements, each expanded now (as bash does) with its raw text and line."""
+    out = []
+    for command in commands(inner):
+        for word in command:
+            try:
+                out.append((expand(word.raw, env), word.raw, first_line + word.line - 1))
+            except Unresolved as exc:
+                out.append((exc, word.raw, first_line + word.line - 1))
+    return out
+
+
+def _arguments(words: list[Word], env: dict, arrays: dict, source: Source, twice: bool = False) -> None:
+    """Each argument after the entry point as a key of `source` (arrays spliced in, element by element);
+    `twice`: the words of a command kept in an array and run by `eval`, so expanded again (`\\$X`)."""
+    items: list[tuple[list[str] | Unresolved, str, int]] = []
+    for word in words:
+        use = _ARRAY_USE.fullmatch(word.raw)
+        if use and use.group(1) in arrays:
+            items += arrays[use.group(1)]
+            continue
+        try:
+            values = expand(word.raw, env)
+            items.append(([w for v in values for w in expand(v, env)] if twice else values, word.raw, word.line))
+        except Unresolved as exc:
+            items.append((exc, word.raw, word.line))
+    pending_option = None
+    for values, raw, line in items:
+        if isinstance(values, Unresolved):
+            _unresolved(raw, line, values, source)
+            continue
+        for text in values:
+            if pending_option is not None:
+                source.keys[pending_option] = (text, line)
+                pending_option = None
+            elif text in ("--config-name", "--config-path", "-cn", "-cp"):
+                pending_option = "--config-name" if text in ("--config-name", "-cn") else "--config-path"
+            elif text:
+                _argument(text, line, source)
+
+
+def _unresolved(raw: str, line: int, why: Unresolved, source: Source) -> None:
+    """A word whose value only running the script gives: kept as written, marked unresolved."""
+    if raw.strip('"') in ("$@", "${@}", "$*", "${*}"):
+        source.keys[raw.strip('"')] = (raw, line)
+        source.drop(raw.strip('"'), "arguments passed to the script itself; pass them to this engine as overrides")
+        return
+    key, eq, value = raw.strip("'\"").lstrip("+").partition("=")
+    if not eq or not re.fullmatch(r"[\w.@/-]+", key):
+        key, value = raw, raw
+    source.keys[key] = (value, line)
+    source.unresolved[key] = str(why)
+
+
+def _argument(word: str, line: int, source: Source) -> None:
+    if word.startswith("--config-name=") or word.startswith("--config-path="):
+        option, _, value = word.partition("=")
+        source.keys[option] = (value, line)
         return
     key, eq, raw = word.lstrip("+").partition("=")
     if not eq or word.startswith(("-", "~")):
-        source.keys[word] = (word, number)
+        source.keys[word] = (word, line)
         source.drop(word, "a Hydra option, not a key=value override" if word.startswith("-") else "a key removal")
         return
+    source.keys[key] = (hydra_value(raw), line)
+
+
+def hydra_value(text: str):
+    """A Hydra override's value, typed as Hydra types it (1e-6 a float, [a,b] a list, off a string)."""
+    if not text or text.strip().lower() in _HYDRA_STRINGS:
+        return text
     try:
-        text = expand(raw, env)
-    except Unresolved as exc:
-        source.keys[key] = (raw, number)
-        source.drop(key, str(exc))
-        return
-    try:
-        value = yaml.load(text, Loader=LimitedLoader) if text else ""  # typed as overrides are (1e-6 a float)
-    except yaml.YAMLError:
-        value = text
-    source.keys[key] = (value, number)
+        return yaml.load(text, Loader=LimitedLoader)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return text

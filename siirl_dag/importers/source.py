@@ -2,7 +2,10 @@
 
 Importers `take` each key they carry over; `dropped` names a key with the reason it has no
 counterpart; whatever is neither taken nor dropped is listed by `leftovers()`, so nothing is
-silently lost. Problems (a size that does not divide, a key of the wrong type) name FILE:LINE.
+silently lost. A value the reader could not resolve (a shell variable the script does not set, an
+OmegaConf resolver) is never written as if it were one: `take` leaves it out (the engine's default
+is used, and the key is listed), `take_path` writes it as written and says so. Problems (a size
+that does not divide, a key of the wrong type) name FILE:LINE.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Source:
     notes: dict[str, str] = field(default_factory=dict)
     remarks: list[Left] = field(default_factory=list)  # carried over, but not exactly
     problems: list[Problem] = field(default_factory=list)
+    unresolved: dict[str, str] = field(default_factory=dict)  # key -> why its value is not known
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Source:
@@ -55,8 +59,15 @@ class Source:
             raise ConfigError(Problem((), "expected a YAML mapping of configuration keys", file=str(path), line=1))
         flat: dict[str, tuple[Any, int | None]] = {}
         _flatten(doc, (), positions, flat)
-        resolve_references(flat)
-        return cls(str(path), flat)
+        return cls(str(path), flat).resolve()
+
+    def resolve(self) -> Source:
+        """OmegaConf references resolved; a value still holding one (a resolver, an unknown key) is unresolved."""
+        resolve_references(self.keys)
+        for key, (value, _) in self.keys.items():
+            if isinstance(value, str) and _REF_ANY.search(value) and key not in self.notes:
+                self.unresolved.setdefault(key, f"{_show(value)} is an OmegaConf interpolation that is not resolved here")
+        return self
 
     def has(self, key: str) -> bool:
         return key in self.keys
@@ -67,6 +78,9 @@ class Source:
     def take(self, key: str, default: Any = None, *, kind: type | tuple[type, ...] | None = None) -> Any:
         """The value at `key` (marked as carried over), else `default`; a value not of `kind` is a problem."""
         value, _ = self.keys.get(key, (_MISSING, None))
+        if key in self.unresolved:
+            self.notes.setdefault(key, f"{self.unresolved[key]}; the engine's default is used")
+            return default
         if value is _MISSING or value is None:
             self.taken.add(key)
             return default
@@ -76,6 +90,19 @@ class Source:
             self.problem(key, f"{value!r} is not a {names}; expected a {names}")
             return default
         return value
+
+    def take_path(self, key: str, default: Any = None) -> Any:
+        """A path or name: an unresolved one is written as in the source, and the user told to fix it."""
+        if key not in self.unresolved:
+            return self.take(key, default)
+        self.taken.add(key)
+        self.remark(key, f"{self.unresolved[key]}; written as in the source: replace it")
+        return self.keys[key][0]
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """The value at `key` without taking it (None and unresolved values read as `default`)."""
+        value = self.keys.get(key, (None, None))[0]
+        return default if value is None or key in self.unresolved else value
 
     def drop(self, key: str, why: str) -> None:
         """Mark a present key as not carried over, for a reason shown to the user."""
@@ -97,9 +124,15 @@ class Source:
     def problem(self, key: str, message: str) -> None:
         self.problems.append(Problem((key,), message, file=self.file, line=self.line(key)))
 
+    def carried(self) -> list[Left]:
+        """Keys carried over as written (taken, present, and not remarked)."""
+        remarked = {x.key for x in self.remarks}
+        return [Left(k, v, line, "carried over") for k, (v, line) in self.keys.items() if k in self.taken and k not in remarked]
+
     def leftovers(self) -> list[Left]:
         """Keys neither taken nor dropped silently: each with its value, line and reason."""
-        return [Left(k, v, line, self.notes.get(k, "")) for k, (v, line) in self.keys.items() if k not in self.taken]
+        return [Left(k, v, line, self.notes.get(k) or self.unresolved.get(k, "")) for k, (v, line) in self.keys.items()
+                if k not in self.taken]
 
     def raise_problems(self) -> None:
         if self.problems:
@@ -120,6 +153,7 @@ def _flatten(value: Any, path: tuple, positions: dict, out: dict) -> None:
 
 
 _REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
+_REF_ANY = re.compile(r"\$\{[^}]*\}")
 
 
 def resolve_references(keys: dict[str, tuple[Any, int | None]]) -> None:

@@ -17,6 +17,8 @@ from siirl_dag.importers.draft import Draft
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.shell_script import read_script
 from siirl_dag.importers.source import Source
+from siirl_dag.importers.features import lora
+from siirl_dag.importers.verl_recipes import dapo, dynamic_batches, named_config, split_layout
 
 A = "actor_rollout_ref"
 MEGATRON_SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
@@ -44,6 +46,7 @@ TRAINER = {"total_epochs": "total_epochs", "total_training_steps": "total_steps"
            "resume_from_path": "resume_from_path", "default_local_dir": "default_local_dir",
            "project_name": "project_name", "experiment_name": "experiment_name",
            "max_actor_ckpt_to_keep": "max_ckpt_to_keep"}
+PATHS = ("default_local_dir", "resume_from_path")
 ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
 NO_COUNTERPART = {  # keys whose effect this engine has built in, or does not need
     f"{A}.model.use_remove_padding": "sequences are always packed without padding here",
@@ -64,8 +67,10 @@ def read(path: str | Path) -> Source:
 
 
 def convert(src: Source) -> Draft:
+    named_config(src)
     nodes, per_node = src.take("trainer.nnodes", 1, kind=int), src.take("trainer.n_gpus_per_node", 8, kind=int)
-    devices = nodes * per_node
+    cluster = {"nodes": nodes, "devices_per_node": per_node, "device": "cuda"}
+    gen_devices, devices, runtime = split_layout(src, cluster) or (nodes * per_node, nodes * per_node, {})
     for key, why in NO_COUNTERPART.items():
         src.drop(key, why)
     if src.take(f"{A}.rollout.name", "vllm") != "vllm":
@@ -76,35 +81,40 @@ def convert(src: Source) -> Draft:
         src.drop_under(f"{A}.actor.fsdp_config", f"the actor runs on Megatron here, not {strategy}")
     actor_sizes = _megatron_sizes(src, f"{A}.actor", devices)
     ref_sizes = _megatron_sizes(src, f"{A}.ref", devices, default=actor_sizes)
-    rollout_tp = src.take(f"{A}.rollout.tensor_model_parallel_size", 1, kind=int)
-    if devices % rollout_tp:
-        src.problem(f"{A}.rollout.tensor_model_parallel_size", f"{devices} devices do not split into vLLM engines of "
-                    f"{rollout_tp}; expected a divisor of {devices}")
+    rollout_tp = src.take(f"{A}.rollout.tensor_model_parallel_size", 2, kind=int)  # verl's default: 2
+    if gen_devices % rollout_tp:
+        src.problem(f"{A}.rollout.tensor_model_parallel_size", f"{gen_devices} devices do not split into vLLM engines of "
+                    f"{rollout_tp}; expected a divisor of {gen_devices}")
     estimator = src.take("algorithm.adv_estimator", "gae", kind=str)
     if estimator not in ESTIMATORS:
         src.problem("algorithm.adv_estimator", f"'{estimator}' has no counterpart; expected one of {', '.join(sorted(ESTIMATORS))}")
     kl_in_reward = src.take("algorithm.use_kl_in_reward", False, kind=bool)
     use_kl_loss = src.take(f"{A}.actor.use_kl_loss", False, kind=bool)
     meshes = {"actor": allocation("megatron", **actor_sizes),
-              "gen": {"alloc": allocation("vllm", max(devices // rollout_tp, 1), t=rollout_tp), "colocate_with": "actor"}}
+              "gen": {"alloc": allocation("vllm", max(gen_devices // rollout_tp, 1), t=rollout_tp)}
+              | ({} if runtime else {"colocate_with": "actor"})}
+    if runtime:  # the rollout's devices first, as the recipe's resource pools are laid out
+        meshes = {"gen": meshes["gen"]["alloc"], "actor": meshes["actor"]}
     if use_kl_loss or kl_in_reward:
         meshes["ref"] = {"alloc": allocation("megatron", **ref_sizes), "colocate_with": "actor"}
     actor_dp = actor_sizes["d"]
 
     draft = Draft(
         name=str(src.take("trainer.experiment_name", Path(src.file).stem)).replace("_", "-"),
-        cluster={"nodes": nodes, "devices_per_node": per_node, "device": "cuda"},
-        policy={"path": src.take(f"{A}.model.path", kind=str),
+        cluster=cluster,
+        runtime=runtime,
+        policy={"path": src.take_path(f"{A}.model.path"),
                 "dtype": src.take(f"{A}.actor.megatron.param_dtype", "bfloat16", kind=str),
                 "trust_remote_code": src.take(f"{A}.model.trust_remote_code", kind=bool)},
-        data={key: src.take(f"data.{key}") for key in DATA},
+        data={key: (src.take_path if key.endswith("_files") else src.take)(f"data.{key}") for key in DATA},
         meshes=meshes,
         rollout={ours: src.take(f"{A}.rollout.{key}") for key, ours in ROLLOUT_OPTIONS.items()},
         actor={ours: src.take(f"{A}.actor.{key}") for key, ours in ACTOR_OPTIONS.items()},
         actor_params={ours: src.take(f"{A}.actor.{key}") for key, ours in ACTOR_PARAMS.items()},
         advantage={"estimator": estimator, "norm_by_std": src.take("algorithm.norm_adv_by_std_in_grpo", kind=bool),
                    "gamma": src.take("algorithm.gamma"), "lam": src.take("algorithm.lam")},
-        trainer={ours: src.take(f"trainer.{key}") for key, ours in TRAINER.items()} | {"logger": _loggers(src)},
+        trainer={ours: (src.take_path if key in PATHS else src.take)(f"trainer.{key}") for key, ours in TRAINER.items()}
+        | {"logger": _loggers(src)},
     )
     draft.actor_params["use_kl_loss"] = use_kl_loss or None
     draft.actor_params["policy_loss"] = {"vanilla": None}.get(draft.actor_params["policy_loss"], draft.actor_params["policy_loss"])
@@ -115,20 +125,19 @@ def convert(src: Source) -> Draft:
     _micro_batches(src, draft, actor_dp, ref_sizes["d"])
     if src.take(f"{A}.model.enable_gradient_checkpointing", False, kind=bool):
         draft.actor |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    if src.take(f"{A}.actor.use_dynamic_bsz", False, kind=bool):
-        draft.actor["dynamic_micro_batch_tokens"] = src.take(f"{A}.actor.ppo_max_token_len_per_gpu", kind=int)
     if kl_in_reward:
         draft.reward = {"kl_coef": src.take("algorithm.kl_ctrl.kl_coef", 0.001),
                         "kl_estimator": src.take("algorithm.kl_penalty", "kl", kind=str)}
         src.drop("algorithm.kl_ctrl.type", "the KL-in-reward coefficient is fixed here")
-    if src.take("reward_model.overlong_buffer.enable", False, kind=bool):
-        draft.reward |= {"overlong_buffer_len": src.take("reward_model.overlong_buffer.len", kind=int),
-                         "overlong_penalty_factor": src.take("reward_model.overlong_buffer.penalty_factor")}
+    dapo(src, draft)
     for key in ("param_offload", "grad_offload", "optimizer_offload"):  # FSDP's offloads mean the same
         if draft.actor.get(key) is None:
             draft.actor[key] = src.take(f"{A}.actor.fsdp_config.{key}", kind=bool)
     _ref_options(src, draft)
-    _lora(src, draft)
+    dynamic_batches(src, draft)
+    lora(draft, src.take(f"{A}.model.lora_rank", 0, kind=int), src.take(f"{A}.model.lora_alpha", 16),
+         src.take(f"{A}.model.target_modules", "all-linear"))
+    _resume_mode(src, draft)
     if estimator == "gae":
         _critic(src, draft, devices)
     if (dropped := draft.one_micro_batch()) is not None:
@@ -195,18 +204,19 @@ def _ref_options(src: Source, draft: Draft) -> None:
                   "sequence_parallel": src.take(f"{A}.ref.megatron.sequence_parallel", kind=bool)}
 
 
-def _lora(src: Source, draft: Draft) -> None:
-    rank = src.take(f"{A}.model.lora_rank", 0, kind=int)
-    if rank:
-        modules = src.take(f"{A}.model.target_modules", "all-linear")
-        draft.policy["lora"] = {"rank": rank, "alpha": src.take(f"{A}.model.lora_alpha", 2 * rank),
-                                "target_modules": modules if isinstance(modules, list) else [modules]}
+def _resume_mode(src: Source, draft: Draft) -> None:
+    """verl's resume modes; `off` (or YAML's false) is disable."""
+    mode = src.value("trainer.resume_mode")
+    if mode in (False, "off", "false", "disable", "disabled"):
+        draft.trainer["resume_mode"] = "disable"
+        if mode != "disable":
+            src.remark("trainer.resume_mode", f"{mode!r} becomes disable (no resuming)")
 
 
 def _critic(src: Source, draft: Draft, devices: int) -> None:
     sizes = _megatron_sizes(src, "critic", devices)
     draft.meshes["critic"] = {"alloc": allocation("megatron", **sizes), "colocate_with": "actor"}
-    draft.critic_model = {"path": src.take("critic.model.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
+    draft.critic_model = {"path": src.take_path("critic.model.path", draft.policy["path"]), "dtype": draft.policy["dtype"]}
     draft.critic = {"lr": src.take("critic.optim.lr"), "micro_batch_size": src.take("critic.ppo_micro_batch_size_per_gpu", kind=int)}
     draft.critic_params = {"mini_batch_size": src.take("critic.ppo_mini_batch_size", draft.actor_params.get("mini_batch_size"), kind=int),
                            "epochs": src.take("critic.ppo_epochs", kind=int), "cliprange_value": src.take("critic.cliprange_value")}

@@ -152,9 +152,9 @@ AGENT_GRAPH = Path(__file__).resolve().parents[1] / "graphs" / "tiny_agent_tools
 
 
 def test_tools_are_checked_at_the_door(tiny_model_dir, monkeypatch):
-    from nodes.tools import python_sandbox
+    from nodes.tools import sandbox_policy
 
-    monkeypatch.setattr(python_sandbox, "BWRAP", "no-such-bwrap")  # a machine without bubblewrap
+    monkeypatch.setattr(sandbox_policy, "BWRAP", "no-such-bwrap")  # a machine without bubblewrap
     with pytest.raises(ConfigError) as exc:
         load_pipeline(AGENT_GRAPH, [f"models.policy.path={tiny_model_dir}", "nodes.rollout.params.tools=[calculator, python, nope]",
                                     "nodes.rollout.params.max_tokens_per_turn=500"])

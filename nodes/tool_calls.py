@@ -106,20 +106,20 @@ def time_left(default: float) -> float:
 def make_call(call: Call, tools: dict[str, Tool], deadline: float | None = None) -> Answer:
     """Run one call by `deadline` (time.monotonic(); tools read it with `time_left`); anything that goes
     wrong is the answer's text, marked as an error. Never raises."""
-    began = time.perf_counter()
-    if call.error is None and call.name not in tools:
-        call.error = f"unknown tool '{_cut(str(call.name), 200)}'; the tools are: {', '.join(sorted(tools))}"
-    if call.error is None:
+    began, error = time.perf_counter(), call.error
+    if error is None and call.name not in tools:
+        error = f"unknown tool '{_cut(str(call.name), 200)}'; the tools are: {', '.join(sorted(tools))}"
+    if error is None:
         try:
             problem = next(iter(jsonschema.Draft202012Validator(tools[call.name].parameters).iter_errors(call.arguments)), None)
         except Exception as exc:  # noqa: BLE001 - hostile arguments must not break the loop
             problem = exc
         if problem is not None:
-            call.error = f"arguments of '{call.name}': {_cut(getattr(problem, 'message', str(problem)), 500)}"
-    if call.error is None and deadline is not None and time.monotonic() >= deadline:
-        call.error = "no time left to make the call"
-    if call.error is not None:
-        return Answer(f"error: {call.error}", True, time.perf_counter() - began)
+            error = f"arguments of '{call.name}': {_cut(getattr(problem, 'message', str(problem)), 500)}"
+    if error is None and deadline is not None and time.monotonic() >= deadline:
+        error = "no time left to make the call"
+    if error is not None:
+        return Answer(f"error: {error}", True, time.perf_counter() - began)
     token = _DEADLINE.set(deadline)
     try:
         return Answer(_cut(str(tools[call.name].fn(**call.arguments))), False, time.perf_counter() - began)

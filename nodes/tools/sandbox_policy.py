@@ -59,7 +59,7 @@ def missing() -> str | None:
         return "no system Python 3 under /usr for the sandbox; install it with: apt-get install python3"
     try:
         seccomp_filter()
-    except (ImportError, OSError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - pyseccomp or libseccomp missing or broken
         return f"no seccomp filter ({exc}); install libseccomp2 (apt-get install libseccomp2) and pyseccomp"
     return None
 
@@ -103,8 +103,9 @@ def seccomp_filter() -> bytes:
 
 
 def memfd(name: str, data: bytes) -> int:
-    """A file descriptor (inheritable, at offset 0) that holds `data`: how bwrap reads the code and the filter."""
-    fd = os.memfd_create(name, 0)
+    """A file descriptor (at offset 0, close-on-exec: only `pass_fds` hands it on) that holds `data`: how
+    bwrap reads the program and the filter."""
+    fd = os.memfd_create(name)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd

@@ -5,7 +5,10 @@ each followed by the tokens of its tools' answers (tokenized once, `tool_calls.O
 next turn's prompt is that list as it stands, never re-tokenized text. The mask marks the model's
 tokens (1) apart from the tools' (0), which are attended to but never trained on. While some
 trajectories wait for their tools, the engine keeps generating the others; a tool that takes longer
-than `tool_timeout_s` answers with an error and the trajectory goes on.
+than `tool_timeout_s` answers with an error and the trajectory goes on. That time counts from the
+moment the calls are handed to the pool, waiting for a free worker included: a tool reads what is left
+(`tool_calls.time_left`, as the python sandbox does) and a late call that has not started is dropped, so
+no tool runs past its trajectory's timeout when the pool is saturated.
 """
 
 from __future__ import annotations
@@ -79,16 +82,18 @@ def run(engine: TurnEngine, prompts: list[list[int]], n: int, tools: dict[str, T
                 for k, sample in engine.step():
                     calls = _turn(trajectories[k], sample, tokenizer, limits)
                     if calls:
-                        pending[pool.submit(_call_all, calls, tools)] = (k, time.monotonic())
+                        began = time.monotonic()
+                        pending[pool.submit(_call_all, calls, tools, began + limits.tool_timeout_s)] = (k, began)
             else:
                 wait(list(pending), timeout=_next_deadline(pending, limits.tool_timeout_s), return_when=FIRST_COMPLETED)
             for future, (k, began) in list(pending.items()):
                 late = time.monotonic() - began > limits.tool_timeout_s
                 if not (future.done() or late):
                     continue
-                del pending[future]  # a late tool's thread finishes on its own; its answer is not waited for
+                del pending[future]  # a late tool stops at its deadline; its answer is not waited for
                 answers = future.result() if future.done() else \
                     [Answer(f"error: no answer within {limits.tool_timeout_s:g} s", True, limits.tool_timeout_s)]
+                future.cancel()  # a late call still queued never starts
                 if _observe(trajectories[k], answers, observe, limits):
                     next_turn(k)
     finally:  # a late tool's thread is not waited for
@@ -109,8 +114,8 @@ def _turn(t: Trajectory, sample: Any, tokenizer: Any, limits: AgentLimits) -> li
     return calls
 
 
-def _call_all(calls: list[Call], tools: dict[str, Tool]) -> list[Answer]:
-    return [make_call(c, tools) for c in calls]
+def _call_all(calls: list[Call], tools: dict[str, Tool], deadline: float) -> list[Answer]:
+    return [make_call(c, tools, deadline) for c in calls]
 
 
 def _observe(t: Trajectory, answers: list[Answer], observe: Observations, limits: AgentLimits) -> bool:

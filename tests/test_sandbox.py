@@ -12,20 +12,21 @@ from pathlib import Path
 import pytest
 
 from nodes.tools import python_sandbox
+from nodes.tools import sandbox_policy as policy
 
 pytestmark = pytest.mark.skipif(python_sandbox.available() is not None,
                                 reason=f"no sandbox here: {python_sandbox.available()}")
 
 
 def sandbox_processes() -> list[str]:
-    """Processes of the sandbox's user, or bwrap's, still alive (none may be)."""
+    """Processes of a sandbox's user, or bwrap's, still alive (none may be)."""
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             owner, cmd = os.stat(f"/proc/{pid}").st_uid, Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if (owner == python_sandbox.NOBODY and os.getuid() == 0) or cmd.startswith(b"bwrap"):
+        if (owner >= policy.UID_BASE and os.getuid() == 0) or cmd.startswith(b"bwrap"):
             left.append(f"{pid}: {cmd[:80]!r}")
     return left
 
@@ -97,3 +98,85 @@ def test_the_tool_is_registered_with_its_schema():
 
     tool = resolve_tool("python")
     assert tool.parameters["required"] == ["code"] and tool.fn(code="print(6*7)") == "42\n"
+
+
+# Second round: each attack below once got through; now it is refused inside, bounded and answered.
+
+SYSCALL = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+
+def refused(answer: str) -> bool:
+    return "-1 Operation not permitted" in answer
+
+
+@pytest.mark.parametrize("place", ["/big", "/dev/big", "/dev/shm/big", "/run/big"])
+def test_nothing_in_ram_but_the_capped_tmp_is_writable(place):
+    answer, _ = run(f"open({place!r}, 'wb').write(b'x' * 2**20)\nprint('wrote')")
+    assert "wrote" not in answer and ("Read-only file system" in answer or "No such file" in answer), answer
+
+
+def test_tmp_holds_at_most_its_size():
+    answer, _ = run("f = open('/tmp/a', 'wb')\nfor _ in range(64):\n    f.write(b'x' * 2**20)\nprint('wrote')")
+    assert "wrote" not in answer and ("File too large" in answer or "No space left" in answer), answer
+    answer, _ = run("import os\nfor i in range(64):\n    try:\n        open(f'/tmp/{i}', 'wb').write(b'x' * 2**20)\n"
+                    "    except OSError:\n        break\nprint(sum(os.path.getsize(f'/tmp/{f}') for f in os.listdir('/tmp')))")
+    assert int(answer.split()[0]) <= policy.TMP_BYTES, answer
+
+
+def test_no_memory_outside_the_address_space_limit():
+    answer, _ = run("import os\ntry:\n    os.memfd_create('m')\nexcept OSError as e:\n    print(e)\n" + SYSCALL +
+                    "print(libc.shmget(0, 2**20, 0o1600), os.strerror(ctypes.get_errno()))")
+    assert "Operation not permitted" in answer.splitlines()[0] and refused(answer.splitlines()[1]), answer
+    assert "MemoryError" in run(f"x = bytearray({policy.MEMORY_BYTES})")[0]
+
+
+def test_no_nested_user_namespace():
+    answer, _ = run(SYSCALL + "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))\n"
+                    "print(libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0), os.strerror(ctypes.get_errno()))")
+    assert [refused(line) for line in answer.splitlines()] == [True, True], answer
+
+
+@pytest.mark.parametrize("name,call", [("io_uring_setup", "425, 4, ctypes.create_string_buffer(120)"),
+                                       ("keyctl", "250, 0, -1, 0, 0, 0"), ("bpf", "321, 0, 0, 0"),
+                                       ("perf_event_open", "298, 0, 0, -1, -1, 0"), ("userfaultfd", "323, 0")])
+def test_rarely_needed_kernel_surfaces_are_closed(name, call):
+    answer, _ = run(SYSCALL + f"print(libc.syscall({call}), os.strerror(ctypes.get_errno()))")
+    assert refused(answer), (name, answer)
+
+
+def test_another_abi_cannot_pass_the_filter():
+    answer, _ = run(SYSCALL + "print('fd', libc.syscall(0x40000000 | 319, b'm', 0))")  # x32 memfd_create
+    assert "fd -1" in answer or "signal" in answer or "exit status 159" in answer, answer
+
+
+def test_no_pseudo_terminals():
+    answer, _ = run("import os\nfor path in ('/dev/ptmx', '/dev/pts/ptmx', '/dev/tty'):\n    try:\n        os.open(path, os.O_RDWR)\n"
+                    "        print('opened', path)\n    except OSError as e:\n        print(type(e).__name__)\nos.openpty()")
+    lines = answer.splitlines()
+    assert all(line.endswith("Error") for line in lines[:3]) and "os.openpty()" in answer, answer
+    assert "exit status 1" in lines[-1], answer  # openpty failed too
+
+
+def test_open_files_are_limited():
+    answer, _ = run("files = [open('/dev/null') for _ in range(1000)]")
+    assert "Too many open files" in answer, answer
+
+
+def test_a_program_longer_than_argv_allows_runs():
+    code = f"x = '{'a' * 300_000}'\nprint(len(x))"
+    assert run(code)[0] == "300000\n"
+    assert run("x" * (policy.MAX_CODE + 1))[0].startswith("error: the program has")
+
+
+def test_each_sandbox_has_its_own_process_budget():
+    hog = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+           "            os._exit(0)\n        n += 1\nexcept OSError:\n    print('full at', n, flush=True)\ntime.sleep(30)")
+    answers = {}
+    thread = threading.Thread(target=lambda: answers.update(hog=python_sandbox.run(hog, 4.0)))
+    thread.start()
+    time.sleep(1.0)  # the hog has forked to its limit by now
+    worker = python_sandbox.run("import subprocess\nfor _ in range(3):\n    subprocess.run(['/bin/true'], check=True)\n"
+                                "print('ran')", 3.0)
+    thread.join(10)
+    assert worker == "ran\n" and "full at" in answers["hog"], (worker, answers)
+    assert not sandbox_processes()

@@ -1,11 +1,15 @@
 """The `python` tool: run untrusted code in a bubblewrap sandbox and answer with what it printed.
 
-The code runs as an unprivileged user in its own user, PID, IPC, UTS, cgroup and network namespaces
-(no network at all, not even the loopback where Ray listens), on a read-only view of the system's
-/usr with a private, size-limited /tmp as its only writable place, with an empty environment, and
-under limits on CPU time, address space, processes, file size and output. Whatever happens, the
-answer is a string (the output, or what stopped it) and no process is left behind: the sandbox's
-PID namespace dies with it.
+The code runs as an unprivileged user of its own in its own user (no nested ones), PID, IPC, UTS,
+cgroup and network namespaces (no network at all, not even the loopback where Ray listens), on a
+read-only root with a read-only /usr, a /dev of null, zero, full, random and urandom only, and a
+private, size-capped /tmp as its only writable place; with an empty environment, a seccomp deny list
+(io_uring, bpf, keyctl, memfd, shared memory, mounts, namespaces, ptrace, ...), and limits on CPU time,
+address space, processes, open files, file size and output (`sandbox_policy` holds them all; what it
+does not protect against: docs/AGENTS_SANDBOX.md). The program reaches the sandbox as a read-only
+file, never on argv, so its length is not bounded by the argv limit. Whatever happens, the answer is a
+string (the output, or what stopped it) and no process is left behind: the sandbox's PID namespace
+dies with it.
 
     run(code: str, timeout_s: float = 5.0) -> str
 """
@@ -14,77 +18,41 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import select
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+from nodes.tool_calls import time_left
+from nodes.tools import sandbox_policy as policy
 from siirl_dag.registry import tool
 
-BWRAP = "bwrap"
-INSTALL = "apt-get install bubblewrap"
-NOBODY = 65534
-MEMORY_BYTES = 512 * 2**20  # address space of each process
-MAX_PROCESSES = 16  # beyond the user's own when it has some
-TMP_BYTES = 16 * 2**20
+TIMEOUT_S = 5.0
 MAX_OUTPUT = 16 * 1024  # characters answered; the rest is cut off (and the code stopped)
 
 
 def available() -> str | None:
     """None when the sandbox can run here, else why not and how to install what is missing."""
-    if shutil.which(BWRAP) is None:
-        return f"bubblewrap (bwrap) is not installed; install it with: {INSTALL}"
-    if _python() is None:
-        return "no system Python 3 under /usr for the sandbox; install it with: apt-get install python3"
-    return None
+    return policy.missing()
 
 
-def _python() -> str | None:
-    return next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
-
-
-def _limits(timeout_s: float) -> None:
-    """In the child, before bwrap starts: drop to an unprivileged user (root ignores the process
-    limit) and set the limits every process inside inherits."""
-    if os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_CPU, (int(timeout_s) + 1, int(timeout_s) + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (TMP_BYTES, TMP_BYTES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    own = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == os.getuid())
-    resource.setrlimit(resource.RLIMIT_NPROC, (own + MAX_PROCESSES, own + MAX_PROCESSES))
-
-
-def _owner(pid: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def command(code: str) -> list[str]:
-    python = _python()
-    return [BWRAP, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            python, "-I", "-S", "-u", "-c", code]
-
-
-def run(code: str, timeout_s: float = 5.0) -> str:
+def run(code: str, timeout_s: float = TIMEOUT_S) -> str:
     """Run `code` with Python in the sandbox; its stdout and stderr, or why it stopped, as a string."""
     missing = available()
     if missing:
         return f"error: the python tool cannot run here: {missing}"
-    proc = subprocess.Popen(command(code), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: _limits(timeout_s), start_new_session=True, close_fds=True)
+    program = code.encode("utf-8", "surrogatepass")
+    if len(program) > policy.MAX_CODE:
+        return f"error: the program has {len(program)} bytes; at most {policy.MAX_CODE} are run"
+    fds = (policy.memfd("code", program), policy.memfd("seccomp", policy.seccomp_filter()))
+    try:
+        proc = subprocess.Popen(policy.command(*fds), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, preexec_fn=lambda: policy.limit(timeout_s),
+                                start_new_session=True, close_fds=True, pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
     out, why = bytearray(), None
     deadline = time.monotonic() + timeout_s
     try:
@@ -145,4 +113,7 @@ def _kill(proc: subprocess.Popen) -> None:
       parameters={"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"],
                   "additionalProperties": False})
 def python(code: str) -> str:
-    return run(code)
+    """Limits: TIMEOUT_S of time (less when the caller's deadline is nearer), and those of sandbox_policy:
+    MEMORY_BYTES of address space per process, MAX_PROCESSES processes, MAX_FILES open files, TMP_BYTES
+    of /tmp, MAX_CODE bytes of program, MAX_OUTPUT characters of answer."""
+    return run(code, time_left(TIMEOUT_S))

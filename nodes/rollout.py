@@ -1,6 +1,6 @@
 """rollout: sample n responses per prompt with the vLLM strategy (greedy, one each, in validation)."""
 
-from nodes import routing
+from nodes import routing, templates
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind, resolve_tool
 
@@ -9,8 +9,21 @@ PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids",
             "token_weights_version")
 
 
+def _consumes(params) -> tuple[str, ...]:
+    """The prompts, or what a prompt template reads (the sample a second agent answers)."""
+    if "prompt_template" not in params:
+        return ("raw_prompt",)
+    return templates.consumed(params["prompt_template"]) or ("raw_prompt",)
+
+
 def _checks(node, pipeline) -> list[Problem]:
-    return _lengths_fit(node, pipeline) + routing.problems(node, pipeline, "routed_experts")
+    problems = _lengths_fit(node, pipeline) + routing.problems(node, pipeline, "routed_experts")
+    if "prompt_template" in node.params:
+        try:
+            templates.parse(node.params["prompt_template"])
+        except ValueError as exc:
+            problems.append(Problem(pipeline.node_path(node.id) + ("params", "prompt_template"), str(exc)))
+    return problems
 
 
 def _lengths_fit(node, pipeline) -> list[Problem]:
@@ -58,11 +71,19 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
         {"count": "prompt tokens", "tokenizer": tokenizer_files, "chat_template": chat, "transformers": version("transformers"),
          **({"tools": tools} if tools else {})}
 
+    template = node.params.get("prompt_template")
+    if template:  # the answered response is not known yet: its longest
+        what = what and {**what, "prompt_template": template}
+
     def count(rows):
         from siirl_dag.strategies.rollout_layout import prompt_token_ids  # torch, as the tokenizer: only to count
 
         tokenizer = model.load_tokenizer()
-        return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat, tools)) for row in rows]
+        if not template:
+            return [len(prompt_token_ids(tokenizer, row["raw_prompt"], chat, tools)) for row in rows]
+        longest = pipeline.data.max_response_length if "response" in templates.fields(template) else 0
+        return [len(prompt_token_ids(tokenizer, templates.render(template, {**row, "prompt": templates.prompt_text(
+            row["raw_prompt"])}), chat, tools)) + longest for row in rows]
 
     return measured(data, what, count, f"prompt tokens for node '{node.id}'")
 
@@ -70,11 +91,16 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
 def _prompts_fit(node, pipeline, data) -> list[str]:
     """Every prompt within max_prompt_length: found here, not at the step that first draws it."""
     limit, chat = pipeline.data.max_prompt_length, node.options["chat_template"]
+    template = node.params.get("prompt_template")
+    lacking = templates.missing_extra(template, data) if template else []
+    if lacking:
+        return lacking
     bad = [(row["index"], n) for row, n in zip(data.rows, _prompt_lengths(node, pipeline, data)) if not 0 < n <= limit]
     if not bad:
         return []
     shown = "; ".join("'{}' row {} has {} tokens".format(*data.source(i), n) for i, n in bad[:3])
-    return [f"{len(bad)} of {len(data)} prompts do not fit data.max_prompt_length = {limit} tokens "
+    built = " as its prompt_template builds them, with the longest response" if "prompt_template" in node.params else ""
+    return [f"{len(bad)} of {len(data)} prompts{built} do not fit data.max_prompt_length = {limit} tokens "
             f"(chat_template: {str(chat).lower()}): {shown}{'; ...' if len(bad) > 3 else ''}; expected 1 to {limit} "
             "tokens: raise data.max_prompt_length (and max_model_len), drop those rows, or set "
             "data.filter_overlong_prompts: true"]
@@ -93,7 +119,22 @@ def weight_versions(out: dict, P: int, version: int, earlier=None) -> dict:
     return {"token_weights_version": versions, "weights_version": oldest}
 
 
-@node_kind("rollout", consumes=("raw_prompt",), produces=lambda params: PRODUCES + routing.records(params),
+def _templated(template: str, batch, ctx, limit: int) -> list[str]:
+    """Prompts built from the samples they answer, each within data.max_prompt_length tokens (a
+    response too long is cut, counted in rollout/prompts_cut; the door checked the rest fits)."""
+    from siirl_dag.strategies.rollout_layout import prompt_token_ids
+
+    engine = ctx.engine
+
+    def count(text):
+        return len(prompt_token_ids(engine.tokenizer, text, engine.options["chat_template"]))
+
+    built = [templates.fitted(template, v, count, limit) for v in templates.row_values(batch, ctx.tokenizer)]
+    ctx.metrics["rollout/prompts_cut"] = sum(cut for _, cut in built)
+    return [text for text, _ in built]
+
+
+@node_kind("rollout", consumes=_consumes, produces=lambda params: PRODUCES + routing.records(params),
            strategies=("vllm",), params_schema="rollout", check=_checks, expands=True, check_data=_prompts_fit,
            prompt_lengths=_prompt_lengths, resumes=True, engine_options=routing.recording_engine)
 def rollout(batch, ctx):
@@ -110,7 +151,9 @@ def rollout(batch, ctx):
     if ctx.resuming:
         out = ctx.engine.resume(*unpack_batch(batch), sampling, P, R, ctx.segment_tokens)
     else:
-        out = ctx.engine.generate(batch["raw_prompt"], sampling, P, R, max_new_tokens=ctx.segment_tokens)
+        template = ctx.params.get("prompt_template")
+        prompts = _templated(template, batch, ctx, P) if template else batch["raw_prompt"]
+        out = ctx.engine.generate(prompts, sampling, P, R, max_new_tokens=ctx.segment_tokens)
     out.update(weight_versions(out, P, version, batch if ctx.resuming else None))
     index = out.pop("sample_index")
     return dict(batch.merge(out)) if ctx.resuming else ctx.expand(index, out)

@@ -80,7 +80,7 @@ def binding_problems(pipe) -> list[Problem]:
             elif not upstream and key not in SOURCE_KEYS:
                 elsewhere = [p for p in producers_of.get(key, []) if p != n]
                 fix = (f"add '{elsewhere[0]}' to its deps, or bind it: inputs: {{{key}: {elsewhere[0]}.{key}}}"
-                       if elsewhere else f"add a node that produces '{key}'")
+                       if elsewhere else f"add a node that produces '{key}', or bind it: inputs: {{{key}: NODE.KEY}}")
                 problems.append(Problem(base + ("deps",), f"'{n}' consumes '{key}' but no upstream node produces it; {fix}"))
     return problems
 

@@ -134,7 +134,7 @@ def resolve_kind(ref: str) -> NodeKind:
     kinds = registered_kinds()
     if ref in kinds:
         return kinds[ref]
-    fn = _user_ref(ref, "node kind", kinds)
+    fn = user_ref(ref, "node kind", kinds)
     kind = getattr(fn, "node_kind", None)
     if not isinstance(kind, NodeKind):
         raise LookupError(f"'{ref}' is not a node kind; expected a function decorated with "
@@ -142,7 +142,7 @@ def resolve_kind(ref: str) -> NodeKind:
     return kind
 
 
-def _user_ref(ref: str, what: str, known: dict) -> Any:
+def user_ref(ref: str, what: str, known: dict) -> Any:
     """The object a user's `module:attr` names; LookupError fit for the user otherwise. Importing the
     module runs the user's code, so whatever that raises (SyntaxError, sys.exit, ...) becomes one too."""
     module_name, colon, attr = ref.partition(":")
@@ -208,7 +208,7 @@ def resolve_tool(ref: str) -> Tool:
     importlib.import_module("nodes.tools")
     if ref in _TOOLS:
         return _TOOLS[ref]
-    fn = _user_ref(ref, "tool", _TOOLS)
+    fn = user_ref(ref, "tool", _TOOLS)
     found = getattr(fn, "tool", None)
     if not isinstance(found, Tool):
         raise LookupError(f"'{ref}' is not a tool; expected a function decorated with "

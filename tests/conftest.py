@@ -18,7 +18,7 @@ ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_e2e_algorithms", "test_e2e_a
                   "test_weight_sync", "test_lora_sync", "test_megatron_lora", "test_vllm_strategy", "test_runtime", "test_cuda",
                   "test_megatron_checkpoint", "test_megatron_cpu_compat", "test_megatron_critic",
                   "test_megatron_engine", "test_megatron_hf_convert", "test_memory_measured", "test_e2e_agent", "test_kill_driver",
-                  "test_multinode"}
+                  "test_multinode", "test_e2e_compose"}
 # Options of the session engine; tests that compare against HF need fp32.
 VLLM_TEST_OPTIONS = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 256, "enforce_eager": True}
 

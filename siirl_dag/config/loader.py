@@ -12,7 +12,8 @@ from pathlib import Path
 
 from siirl_dag.config import lora, roll_compat, schedule, schema
 from siirl_dag.config.overrides import apply_overrides
-from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec)
+from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec,
+                                      vocabulary_differs)
 from siirl_dag.config.yaml_loader import load_yaml, locate
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag import dataflow
@@ -278,6 +279,27 @@ def _lora_problems(pipe: Pipeline) -> list[Problem]:
     return problems
 
 
+def _token_problems(pipe: Pipeline) -> list[Problem]:
+    """A model node reading token ids (`input_ids`) another model wrote needs that model's vocabulary
+    (a teacher scoring a student's samples, say); a judge or a second agent reads them as text."""
+    problems = []
+    for node in pipe.nodes.values():
+        writer = dataflow.producer(pipe, node.id, "input_ids")[0] if "input_ids" in pipe.consumes(node.id) else None
+        model = pipe.nodes[writer].model if writer in pipe.nodes else None
+        if not (node.model and model and model != node.model):
+            continue
+        try:
+            why = vocabulary_differs(pipe.models[model], pipe.models[node.model])
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        if why:
+            problems.append(Problem(pipe.node_path(node.id) + ("model",), f"'{node.id}' computes on the token ids "
+                                    f"'{writer}' sampled with model '{model}', but the tokenizers of '{model}' and "
+                                    f"'{node.model}' differ ({why}); expected models with the same tokenizer"))
+    return problems
+
+
 def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
     """Models the nodes use must be on disk to run; `validate` only warns (a plan needs no weights)."""
     problems = []
@@ -360,7 +382,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         for node in nodes.values():
             if pipe.kinds[node.id].check:
                 problems += pipe.kinds[node.id].check(node, pipe)
-        problems += phase_problems(pipe) + schedule.problems(pipe)
+        problems += phase_problems(pipe) + schedule.problems(pipe) + _token_problems(pipe)
     problems += _model_problems(pipe, for_run) + ([] if for_run else _data_warnings(pipe))
     located(problems)
     if _errors(problems):

@@ -82,6 +82,21 @@ class ModelSpec:
         return base
 
 
+def vocabulary_differs(a: ModelSpec, b: ModelSpec) -> str | None:
+    """How the token ids of `a`'s tokenizer mean other things to `b`'s, or None (the same, or a
+    tokenizer not on disk: the model files check names that)."""
+    if a.tokenizer_path == b.tokenizer_path or not all(Path(m.tokenizer_path).is_dir() for m in (a, b)):
+        return None
+    ta, tb = a.load_tokenizer(), b.load_tokenizer()
+    va, vb = ta.get_vocab(), tb.get_vocab()
+    if va != vb:
+        other = sum(1 for tok, i in va.items() if vb.get(tok) != i)
+        return f"{other} of {len(va)} tokens have other ids or none ({len(va)} vs {len(vb)} tokens)"
+    special = [name for name in ("eos_token_id", "pad_token_id", "bos_token_id")
+               if getattr(ta, name, None) != getattr(tb, name, None)]
+    return f"their {', '.join(special)} differ" if special else None
+
+
 @functools.lru_cache(maxsize=8)
 def _tokenizer(path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer

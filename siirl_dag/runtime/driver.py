@@ -15,7 +15,7 @@ from typing import Iterable
 import networkx as nx
 
 from siirl_dag.errors import PipelineError
-from siirl_dag.dataflow import SOURCE, SOURCE_KEYS
+from siirl_dag.dataflow import SOURCE, SOURCE_KEYS, producer
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
@@ -194,9 +194,11 @@ class Runtime:
         return out
 
     def _tokenizer_for(self, node):
-        """The model whose tokenizer a node uses: its own; a compute node's nearest upstream model's."""
-        model = node.model or next((self.pipe.nodes[up].model for up in self.upstream[node.id]
-                                    if self.pipe.nodes[up].model), None)
+        """The model whose tokenizer decodes what a node reads: the writer of the responses it reads
+        (a judge's or a second agent's are another model's); else its own; else its nearest upstream model's."""
+        writer = producer(self.pipe, node.id, "responses")[0] if "responses" in self.pipe.consumes(node.id) else SOURCE
+        model = (self.pipe.nodes[writer].model if writer != SOURCE else None) or node.model or \
+            next((self.pipe.nodes[up].model for up in self.upstream[node.id] if self.pipe.nodes[up].model), None)
         return self.pipe.models[model] if model else None
 
     # -- one step -------------------------------------------------------------------------------

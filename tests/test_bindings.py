@@ -7,8 +7,7 @@ import textwrap
 
 import pytest
 
-from siirl_dag.config import load_pipeline
-from siirl_dag.errors import ConfigError
+from pipeline_files import errors, line_of, load
 from siirl_dag.runtime.batch import Batch
 
 BRANCH = """\
@@ -32,22 +31,6 @@ def two_branches(extra: str = "", n_b: int = 4, trainer: str = "{total_steps: 2}
         meshes: {gen: vllm:d1, train: megatron:d1, gen_b: vllm:d1, train_b: megatron:d1}
         nodes:
         """) + BRANCH.format(s="", n=4) + BRANCH.format(s="_b", n=n_b) + extra + f"trainer: {trainer}\n"
-
-
-def load(tmp_path, text, overrides=()):
-    f = tmp_path / "p.yaml"
-    f.write_text(text)
-    return load_pipeline(f, list(overrides))
-
-
-def errors(tmp_path, text, overrides=()):
-    with pytest.raises(ConfigError) as info:
-        load(tmp_path, text, overrides)
-    return [p for p in info.value.problems if p.severity == "error"]
-
-
-def line_of(text, needle):
-    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
 
 
 def test_two_policies_prefix_every_node_metric_with_the_policy_it_serves(tmp_path):

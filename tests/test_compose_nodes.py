@@ -10,8 +10,7 @@ import torch
 
 from nodes import templates
 from nodes.judge import _parser, _score
-from siirl_dag.config import load_pipeline
-from siirl_dag.errors import ConfigError
+from pipeline_files import load, messages
 from siirl_dag.registry import registered_kinds
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.context import NodeContext
@@ -122,18 +121,6 @@ JUDGE = textwrap.dedent("""\
       - {id: actor_update, kind: actor_update, deps: [advantage, old], mesh: train, model: policy, params: {mini_batch_size: 4}}
     trainer: {total_steps: 2}
     """)
-
-
-def load(tmp_path, text, overrides=()):
-    f = tmp_path / "p.yaml"
-    f.write_text(text)
-    return load_pipeline(f, list(overrides))
-
-
-def messages(tmp_path, text, overrides=()):
-    with pytest.raises(ConfigError) as info:
-        load(tmp_path, text, overrides)
-    return "\n".join(str(p) for p in info.value.problems if p.severity == "error")
 
 
 def test_a_judge_pipeline_validates_and_the_judge_serves_the_policy(tmp_path):

@@ -168,3 +168,24 @@ def test_a_rank_assembles_bound_keys_under_the_names_it_reads():
     batch = _assemble([([("responses", "solver_answer")], [(0, 1, 2)]), ([("responses", "responses")], [(1, 1, 2)])],
                       (solver, reviewer))
     assert batch["solver_answer"].tolist() == [[3, 4]] and batch["responses"].tolist() == [[7, 8]]
+
+
+def test_a_metric_two_nodes_write_is_never_lost():
+    from types import SimpleNamespace
+
+    from siirl_dag.runtime.driver import Runtime, StepResult
+
+    said = []
+    rt = SimpleNamespace(pipe=SimpleNamespace(metric_prefix=lambda n: "solver/" if n != "other" else "reviewer/"),
+                         said=set(), progress=said.append)
+    result = StepResult()
+    Runtime._add_metrics(rt, result, "reward", {"critic/score/mean": 0.5, "response_length/mean": 7.0})
+    Runtime._add_metrics(rt, result, "advantage", {"response_length/mean": 7.0, "critic/advantages/mean": 0.0})
+    Runtime._add_metrics(rt, result, "judge", {"critic/score/mean": 0.9})
+    Runtime._add_metrics(rt, result, "judge", {"critic/score/mean": 0.8})  # a second segment: its own again
+    Runtime._add_metrics(rt, result, "other", {"critic/score/mean": 0.1})
+    assert result.metrics == {"solver/critic/score/mean": 0.5, "solver/response_length/mean": 7.0,
+                              "solver/critic/advantages/mean": 0.0, "solver/judge/critic/score/mean": 0.8,
+                              "reviewer/critic/score/mean": 0.1}
+    assert said == ["[metrics] 'solver/critic/score/mean' is written by 'reward' and 'judge'; 'judge's is logged as "
+                    "'solver/judge/critic/score/mean'"]

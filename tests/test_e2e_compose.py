@@ -50,9 +50,9 @@ def test_distillation_from_a_teacher_logs_the_reverse_kl(tmp_path, tiny_model_di
         assert metrics["actor/grad_norm"] > 0 and "timing_s/teacher_logprob" in metrics
 
 
-def test_two_agents_train_with_their_names_checkpoints_and_exports(tmp_path, tiny_model_dir, demo_data):
-    history = run_graph(tmp_path, "tiny_two_agents_cpu", ["solver", "reviewer"], tiny_model_dir, demo_data,
-                        "nodes.solver_update.params.mini_batch_size=8", "nodes.reviewer_update.params.mini_batch_size=8")
+def test_two_agents_train_with_their_names_checkpoints_exports_and_resume(tmp_path, tiny_model_dir, demo_data):
+    agents = ["nodes.solver_update.params.mini_batch_size=8", "nodes.reviewer_update.params.mini_batch_size=8"]
+    history = run_graph(tmp_path, "tiny_two_agents_cpu", ["solver", "reviewer"], tiny_model_dir, demo_data, *agents)
     last = history["steps"]["2"]
     for policy in ("solver", "reviewer"):
         for name in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/advantages/mean",
@@ -63,3 +63,8 @@ def test_two_agents_train_with_their_names_checkpoints_and_exports(tmp_path, tin
     step = tmp_path / "ckpt" / "global_step_2"
     for trainer in ("solver_update", "reviewer_update"):
         assert (step / trainer / "metadata.json").is_file() and (step / f"{trainer}.hf" / "config.json").is_file()
+    # a third step resumes both policies from the checkpoint of step 2
+    resumed = run_graph(tmp_path, "tiny_two_agents_cpu", ["solver", "reviewer"], tiny_model_dir, demo_data, *agents,
+                        "trainer.total_steps=3", "trainer.resume_mode=auto", "trainer.val_before_train=false")
+    assert list(resumed["steps"]) == ["3"]
+    assert {"solver/actor/pg_loss", "reviewer/actor/pg_loss"} <= set(resumed["steps"]["3"])

@@ -310,11 +310,14 @@ class Runtime:
 
     def _add_metrics(self, result: StepResult, node: str, metrics: dict) -> None:
         """A node's metrics into its step's, under its policy's prefix when several train (dataflow);
-        a name another node of the step wrote already is kept under `<node>/` as well, never lost."""
+        a name another node of the step wrote already with another value is kept under `<node>/` as
+        well, never lost (the same value twice, response lengths seen by two nodes say, is one)."""
         prefix = self.pipe.metric_prefix(node)
         for name, value in metrics.items():
             key = prefix + name
             writer = result.writers.setdefault(key, node)
+            if writer != node and result.metrics.get(key) == value:
+                continue
             if writer != node:
                 if (key, node) not in self.said:
                     self.said.add((key, node))

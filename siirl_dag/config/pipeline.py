@@ -148,6 +148,7 @@ class TrainerSpec:
     val_score_key: str
     trace: bool
     log_trajectories: int
+    log_val_generations: int = 0
 
 
 @dataclass(frozen=True)

@@ -286,3 +286,35 @@ def test_mlflow_logs_to_a_tracking_server_and_a_server_gone_mid_run_stops_only_m
     acc = EventAccumulator(run.tensorboard_dir)
     acc.Reload()
     assert [e.step for e in acc.Scalars("policy/actor/pg_loss")] == [1, 2, 3, 4]
+
+
+# -- one run through the real pipeline ----------------------------------------------------------
+@pytest.mark.engines
+def test_a_run_logs_to_every_tracker_with_its_validation_samples(tmp_path, tiny_model_dir, demo_data, offline):
+    from mlflow import MlflowClient
+    from test_e2e import PIPELINE, SEPARATE
+
+    f = tmp_path / "pipeline.yaml"
+    f.write_text(PIPELINE.format(devices=2, model=tiny_model_dir, data=demo_data, meshes=SEPARATE, out=tmp_path,
+                                 backend="local"))
+    # in tmp_path: the run's output folder (outputs/e2e/run) is relative to where it starts
+    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(f), "--json", "trainer.total_steps=1",
+                          "trainer.val_before_train=false", "trainer.export_hf=false", "trainer.log_val_generations=3",
+                          "trainer.logger=[console,tensorboard,mlflow,wandb]"], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-4000:]
+    history = json.loads(res.stdout)
+    assert "[logger]" not in res.stderr, res.stderr[-3000:]
+    out = tmp_path / "outputs" / "e2e" / "run"
+    records = json.loads((out / trackers.RECORD_FILE).read_text())
+    client = MlflowClient(records["mlflow"]["tracking_uri"])
+    found = client.get_run(records["mlflow"]["run_id"])
+    logged = {k for k, v in history["steps"]["1"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert logged <= set(found.data.metrics) and "val-core/demo/arith/acc" in logged
+    assert found.data.params["trainer.log_val_generations"] == "3" and found.info.status == "FINISHED"
+    table = json.loads(Path(client.download_artifacts(found.info.run_id, "val_generations/step_1.json",
+                                                      str(tmp_path))).read_text())
+    assert len(table["data"]) == 3 and all(row[0] == 1 and row[2] for row in table["data"])
+    rows = [r for r in wandb_history(out) if "critic/score/mean" in r]
+    assert [r["training/global_step"] for r in rows] == [1] and logged <= set(rows[0]) | {"training/global_step"}
+    assert [r["val/generations/nrows"] for r in wandb_history(out) if "val/generations/nrows" in r] == [3]

@@ -17,6 +17,7 @@ from siirl_dag.importers.draft import Draft
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.shell_script import read_script
 from siirl_dag.importers.source import Source
+from siirl_dag.trainer.trackers import TRACKERS
 
 A = "actor_rollout_ref"
 MEGATRON_SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
@@ -43,7 +44,7 @@ TRAINER = {"total_epochs": "total_epochs", "total_training_steps": "total_steps"
            "save_freq": "save_freq", "val_before_train": "val_before_train", "resume_mode": "resume_mode",
            "resume_from_path": "resume_from_path", "default_local_dir": "default_local_dir",
            "project_name": "project_name", "experiment_name": "experiment_name",
-           "max_actor_ckpt_to_keep": "max_ckpt_to_keep"}
+           "max_actor_ckpt_to_keep": "max_ckpt_to_keep", "log_val_generations": "log_val_generations"}
 ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
 NO_COUNTERPART = {  # keys whose effect this engine has built in, or does not need
     f"{A}.model.use_remove_padding": "sequences are always packed without padding here",
@@ -153,10 +154,11 @@ def _loggers(src: Source) -> list[str] | None:
     if value is None:
         return None
     names = [value] if isinstance(value, str) else list(value)
-    kept = [n for n in names if n in ("console", "tensorboard")]
+    here = ("console", *TRACKERS)
+    kept = [n for n in names if n in here]
     if kept != names:
         others = ", ".join(n for n in names if n not in kept)
-        src.remark("trainer.logger", f"{others} left out: console and tensorboard are the loggers here")
+        src.remark("trainer.logger", f"{others} left out: the loggers here are {', '.join(here)}")
     return kept
 
 

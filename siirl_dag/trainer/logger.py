@@ -20,6 +20,11 @@ _CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/g
                  "timing_s/step", "perf/throughput")
 
 
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[-1][:300]}"
+
+
 def _say(line: str) -> None:
     print(line, file=terminal(), flush=True)
 
@@ -55,7 +60,7 @@ class MetricsLogger:
         except Exception as exc:  # noqa: BLE001 - any tracker failure: a server gone, a full disk, a library bug
             self.trackers.pop(name, None)
             if name not in self.failed:
-                self.failed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ''}"
+                self.failed[name] = _one_line(exc)
                 others = ", ".join(["console"] * self.console + list(self.trackers)) or "none"
                 self.report(f"[logger] {name} failed {what} ({self.failed[name]}); the run goes on without it "
                             f"(logging to: {others})")

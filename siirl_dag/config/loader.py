@@ -22,6 +22,7 @@ from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supporte
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.placement.memory import plan_memory
 from siirl_dag.registry import DTYPE_OPTIONS, LORA_STRATEGIES, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
+from siirl_dag.trainer.trackers import door_problems as tracker_problems
 from siirl_dag.weight_sync.routes import problems as sync_route_problems
 
 
@@ -384,6 +385,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
                 problems += pipe.kinds[node.id].check(node, pipe)
         problems += phase_problems(pipe) + schedule.problems(pipe) + _token_problems(pipe)
     problems += _model_problems(pipe, for_run) + ([] if for_run else _data_warnings(pipe))
+    problems += tracker_problems(pipe.trainer.logger, for_run)  # trainer.logger's packages installed
     located(problems)
     if _errors(problems):
         raise ConfigError(problems)

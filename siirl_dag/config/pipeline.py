@@ -164,6 +164,7 @@ class TrainerSpec:
     val_score_key: str | list
     trace: bool
     log_trajectories: int
+    log_val_generations: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ INFERENCE = ("sglang", "vllm")
 DECAY = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
 NO_COUNTERPART = {"trial_name": "a run is named by trainer.experiment_name", "scheduler": "Ray places the meshes",
                   "cluster.fileroot": "runs write under trainer.default_local_dir", "cluster.name_resolve": "Ray finds the workers",
-                  "perf_tracer": "trace a run with --trace", "stats_logger.wandb": "console and tensorboard loggers only",
+                  "perf_tracer": "trace a run with --trace", "stats_logger.wandb": "W&B is trainer.logger: [wandb] here, set by its environment (WANDB_MODE, WANDB_API_KEY)",
                   "launcher": "Ray starts the workers", "tokenizer_path": "the tokenizer is the model's",
                   "enable_offload": "offload is per engine (param_offload, sleep_level)"}
 BOOKKEEPING = ("saver", "recover", "evaluator", "stats_logger", "train_dataset", "valid_dataset")

@@ -19,6 +19,7 @@ from siirl_dag.importers.shell_script import read_script
 from siirl_dag.importers.source import Source
 from siirl_dag.importers.features import lora
 from siirl_dag.importers.verl_recipes import dapo, dynamic_batches, named_config, split_layout
+from siirl_dag.trainer.trackers import TRACKERS
 
 A = "actor_rollout_ref"
 MEGATRON_SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
@@ -45,7 +46,7 @@ TRAINER = {"total_epochs": "total_epochs", "total_training_steps": "total_steps"
            "save_freq": "save_freq", "val_before_train": "val_before_train", "resume_mode": "resume_mode",
            "resume_from_path": "resume_from_path", "default_local_dir": "default_local_dir",
            "project_name": "project_name", "experiment_name": "experiment_name",
-           "max_actor_ckpt_to_keep": "max_ckpt_to_keep"}
+           "max_actor_ckpt_to_keep": "max_ckpt_to_keep", "log_val_generations": "log_val_generations"}
 PATHS = ("default_local_dir", "resume_from_path")
 ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
 NO_COUNTERPART = {  # keys whose effect this engine has built in, or does not need
@@ -162,10 +163,11 @@ def _loggers(src: Source) -> list[str] | None:
     if value is None:
         return None
     names = [value] if isinstance(value, str) else list(value)
-    kept = [n for n in names if n in ("console", "tensorboard")]
+    here = ("console", *TRACKERS)
+    kept = [n for n in names if n in here]
     if kept != names:
         others = ", ".join(n for n in names if n not in kept)
-        src.remark("trainer.logger", f"{others} left out: console and tensorboard are the loggers here")
+        src.remark("trainer.logger", f"{others} left out: the loggers here are {', '.join(here)}")
     return kept
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
 from siirl_dag.graph import phases_of
-from siirl_dag.trainer import checkpoint, in_flight, refill, trajectories
+from siirl_dag.trainer import checkpoint, in_flight, refill, trackers, trajectories
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
@@ -51,8 +51,8 @@ class Trainer:
     def __init__(self, pipe, address: str | None = None, progress=print):
         self.pipe, self.address, self.progress = pipe, address, progress
         t, d = pipe.trainer, pipe.data
-        project, experiment = t.project_name or pipe.name, t.experiment_name or "default"
-        self.out_dir = Path("outputs") / project / experiment
+        self.project, self.experiment = t.project_name or pipe.name, t.experiment_name or "default"
+        self.out_dir = Path("outputs") / self.project / self.experiment
         self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
         self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
         self.log_dir = Path(t.log_dir or self.out_dir / "logs")  # each run logs into a folder of its own there
@@ -81,6 +81,7 @@ class Trainer:
         self.resume = Resume(pipe, self.ckpt_dir, self.trainers, self.models, self.loader)
         self.step = self.resume.step
         self.ahead = None  # one_step_off and async: the generating side running ahead (`ahead.Ahead`), from `fit`
+        self.generations: list[dict] = []  # the last validation's samples for the trackers (trainer.log_val_generations)
 
     def _drop_overlong_prompts(self) -> None:
         """data.filter_overlong_prompts: leave out the prompts longer than data.max_prompt_length as
@@ -137,13 +138,15 @@ class Trainer:
             self.rt = rt
             if self.ahead:
                 self.ahead.start(rt)
-            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step)
+            run = trackers.RunInfo(self.project, self.experiment, self.out_dir, self.tb_dir, self.pipe.file,
+                                   trackers.resolved(self.pipe), self.step, resumed=self.resume.path is not None)
+            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step, run, self.progress)
             history: dict = {"steps": {}}
             try:
                 t = self.pipe.trainer
                 if self.val_data and t.val_before_train and self.step == 0:
                     history["val_before"] = self.validate()
-                    log.log(0, history["val_before"], advance=False)
+                    log.log(0, history["val_before"], advance=False, generations=self._generations())
                 while self.step < self.total_steps:
                     metrics = self.train_step()
                     self.step += 1
@@ -163,7 +166,7 @@ class Trainer:
                         if rt.trace is not None:
                             rt.trace.driver("save checkpoint", wall, step=self.step, folder=str(saved))
                         self.progress(f"[trainer] step {self.step}: saved {saved} in {metrics['timing_s/save_checkpoint']:.1f} s")
-                    log.log(self.step, metrics)
+                    log.log(self.step, metrics, generations=self._generations())
                     history["steps"][self.step] = metrics
                 if t.export_hf and self.trainers:
                     self.export_hf(saved)  # the last step is always saved
@@ -219,23 +222,33 @@ class Trainer:
 
         wanted, began = set().union(*({s} | nx.ancestors(pipe.graph, s) for s, _ in scorers)), time.time()
         size = pipe.data.val_batch_size or len(self.val_data)
-        per_source, to_log = defaultdict(list), pipe.trainer.log_trajectories
+        per_source, to_log, to_show = defaultdict(list), pipe.trainer.log_trajectories, pipe.trainer.log_val_generations
+        self.generations = []
         for start in range(0, len(self.val_data), size):
             rows = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
             result = self.rt.run_step(_source(rows, "val-"), self.step, validating=True, nodes=wanted)
             for i, (node, key) in enumerate(scorers):
                 scored = result.outputs[node]
-                keys = ["data_source", *(trajectories.KEYS if to_log and i == 0 else ())]
+                samples = (to_log or to_show) and i == 0  # the first scorer's trajectories and samples
+                keys = ["data_source", *(trajectories.KEYS if samples else ())]
                 batch = self.rt.gather(scored, [key]).merge(self.rt.collect(result, keys, rows=scored.rows))
                 for src, score in zip(batch["data_source"], batch[key].sum(dim=-1).tolist()):
                     per_source[pipe.metric_prefix(node), src].append(score)
-                if to_log and i == 0:  # the first scorer's trajectories
-                    logged = trajectories.lines(batch, key, self._response_tokenizer(), self.step, to_log)
-                    trajectories.append(self.out_dir / "trajectories.jsonl", logged)
-                    to_log -= len(logged)
+                if samples:
+                    lines = trajectories.lines(batch, key, self._response_tokenizer(), self.step, max(to_log, to_show))
+                    if to_log:
+                        trajectories.append(self.out_dir / "trajectories.jsonl", lines[:to_log])
+                        to_log -= len(lines[:to_log])
+                    self.generations += [trajectories.generation(line) for line in lines[:to_show]]
+                    to_show -= len(lines[:to_show])
         if self.rt.trace is not None:
             self.rt.trace.driver("validation", began, step=self.step, prompts=len(self.val_data))
         return {f"{prefix}val-core/{src}/acc": sum(v) / len(v) for (prefix, src), v in per_source.items()}
+
+    def _generations(self) -> list[dict]:
+        """The samples of the validation just run, handed to the trackers once."""
+        taken, self.generations = self.generations, []
+        return taken
 
     def _response_tokenizer(self):
         """The tokenizer of the model that writes `responses` (ModelSpec loads it once per process)."""

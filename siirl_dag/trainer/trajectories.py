@@ -38,6 +38,13 @@ def lines(batch, score_key: str, tokenizer, step: int, limit: int) -> list[dict]
     return out
 
 
+def generation(line: dict) -> dict:
+    """A trajectory line as the trackers' table of validation samples has it (trainer.log_val_generations):
+    step, data source, prompt, the whole response (tool observations included) and score."""
+    return {"step": line["step"], "data_source": line["data_source"], "prompt": line["prompt"],
+            "response": "".join(part["text"] for part in line["response"]), "score": line["score"]}
+
+
 def append(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:

@@ -4,7 +4,7 @@
 - tiny_distill_cpu: the reverse KL of the last 3 steps is <= 0.7 x that of the first 3;
 - tiny_two_agents_cpu: the system's (the reviewer's final answer) validation accuracy rises by >= 0.05.
 
-    python scripts/bench_compose.py [--json] [--graphs judge distill two_agents] [key=value ...]
+    python scripts/bench_compose.py [--json] [--graph judge|distill|two_agents ...] [key=value ...]
 
 Each is `python -m siirl_dag.main graphs/tiny_<name>_cpu.yaml` with its outputs in a fresh temporary
 folder; needs data/demo (make demo) and data/compose (python scripts/make_compose_task.py data/compose).
@@ -81,12 +81,12 @@ GRAPHS = {"judge": judge, "distill": distill, "two_agents": two_agents}
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--graphs", nargs="+", choices=list(GRAPHS), default=list(GRAPHS))
+    ap.add_argument("--graph", action="append", choices=list(GRAPHS), help="one graph (repeatable); default: all")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every graph (trainer.seed=2, ...)")
     args = ap.parse_args()
     with json_stdout(args.json) as emit:
         report = {}
-        for name in args.graphs:
+        for name in args.graph or list(GRAPHS):
             report[name] = GRAPHS[name](args.overrides)
             if not args.json:
                 print(name, json.dumps(report[name], indent=1), flush=True)

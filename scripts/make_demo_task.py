@@ -70,13 +70,14 @@ def read_split(out: Path, split: str) -> list[tuple[str, str, str]]:
     return [(r["prompt"], f" #### {r['reward_model']['ground_truth']}", r["reward_model"]["ground_truth"]) for r in t]
 
 
-def greedy_accuracy(model, tokenizer, test) -> float:
+def greedy_accuracy(model, tokenizer, test, grade=gsm8k_score) -> float:
+    """Mean of grade(greedy completion, truth) over the (prompt, completion, truth) triples of `test`."""
     enc = tokenizer([p for p, _, _ in test], return_tensors="pt", padding=True, padding_side="left")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return sum(gsm8k_score(t, truth) for t, (_, _, truth) in zip(texts, test)) / len(test)
+    return sum(grade(t, truth) for t, (_, _, truth) in zip(texts, test)) / len(test)
 
 
 def training_batch(tokenizer, examples):
@@ -95,6 +96,50 @@ def training_batch(tokenizer, examples):
     return ids, mask, lab
 
 
+def supervised(model, tokenizer, train, evaluate, seed: int, target: float, name: str = "warm start",
+               lr: float = LR, max_steps: int = MAX_STEPS, eval_every: int = EVAL_EVERY,
+               must_reach: bool = True) -> tuple[int, float, float]:
+    """AdamW (linear warmup) on shuffled batches of `train` triples until evaluate(model), run every
+    `eval_every` steps, first reaches `target`; returns (steps, accuracy, seconds). Not reached in
+    `max_steps`: exits, or when not `must_reach` returns the last."""
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / WARMUP))
+    rng = np.random.default_rng(seed)
+    order, pos = rng.permutation(len(train)), 0
+    start, acc = time.perf_counter(), 0.0
+    for step in range(1, max_steps + 1):
+        if pos + BATCH > len(order):
+            order, pos = rng.permutation(len(train)), 0
+        ids, mask, labels = training_batch(tokenizer, [train[i] for i in order[pos:pos + BATCH]])
+        pos += BATCH
+        model.train()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optim.step()
+        sched.step()
+        if step % eval_every == 0:
+            model.eval()
+            acc = evaluate(model)
+            print(f"{name}: step {step:4d}  loss {loss.item():.4f}  accuracy {acc:.1%}  "
+                  f"{time.perf_counter() - start:.1f}s", flush=True)
+            if acc >= target:
+                return step, acc, time.perf_counter() - start
+    if not must_reach:
+        return step, acc, time.perf_counter() - start
+    raise SystemExit(f"{name}: accuracy {acc:.1%} < {target:.0%} after {max_steps} steps; try another --seed")
+
+
+def save_model(model, tokenizer, dest: Path) -> None:
+    """save_pretrained (safetensors) plus the tokenizer into a temporary sibling, then renamed to `dest`."""
+    tmp = dest.parent / f".{dest.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, dest)
+
+
 def warm_start(out: Path, seed: int) -> None:
     """Supervised training of init_model until greedy test accuracy >= 15%, saved to OUT_DIR/model."""
     if (out / "model" / "config.json").exists():
@@ -107,38 +152,9 @@ def warm_start(out: Path, seed: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(out / "init_model")
     model = AutoModelForCausalLM.from_pretrained(out / "init_model", dtype=torch.float32)
     train, test = read_split(out, "train"), read_split(out, "test")
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / WARMUP))
-    rng = np.random.default_rng(seed)
-    order, pos = rng.permutation(len(train)), 0
-    start, acc = time.perf_counter(), 0.0
-    for step in range(1, MAX_STEPS + 1):
-        if pos + BATCH > len(order):
-            order, pos = rng.permutation(len(train)), 0
-        ids, mask, labels = training_batch(tokenizer, [train[i] for i in order[pos:pos + BATCH]])
-        pos += BATCH
-        model.train()
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optim.step()
-        sched.step()
-        if step % EVAL_EVERY == 0:
-            model.eval()
-            acc = greedy_accuracy(model, tokenizer, test)
-            print(f"warm start: step {step:4d}  loss {loss.item():.4f}  test accuracy {acc:.1%}  "
-                  f"{time.perf_counter() - start:.1f}s", flush=True)
-            if acc >= TARGET_ACC:
-                break
-    else:
-        raise SystemExit(f"warm start: accuracy {acc:.1%} < {TARGET_ACC:.0%} after {MAX_STEPS} steps; try another --seed")
-    seconds = time.perf_counter() - start
-    tmp = out / ".model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out / "model")
+    step, acc, seconds = supervised(model, tokenizer, train, lambda m: greedy_accuracy(m, tokenizer, test),
+                                    seed, TARGET_ACC)
+    save_model(model, tokenizer, out / "model")
     summary = {"steps": step, "test_accuracy": acc, "seconds": round(seconds, 1), "seed": seed}
     (out / "warm_start.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"warm start: saved {out}/model after {step} steps, accuracy {acc:.1%}, {seconds:.1f}s")

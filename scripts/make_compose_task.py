@@ -1,0 +1,222 @@
+"""Build the small models of the composed demo pipelines (issue #45) from the demo task.
+
+    python scripts/make_compose_task.py OUT_DIR [--seed 0] [--only judge|reviewer|student] [--demo data/demo]
+
+Every model shares the demo's byte-level vocabulary, reads raw text (no chat template) and is saved
+(safetensors plus tokenizer) to OUT_DIR/<name> with a summary OUT_DIR/<name>.json:
+
+- judge: "{prompt}{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
+  else " 0". Trained on a label-balanced mix of responses like a weak policy writes.
+- reviewer: "{prompt}{response} F:" -> " #### {sum}". Warm-started on weak solver answers (right ~20%)
+  until greedy accuracy, on test questions with answers sampled from the demo model, first reaches 15%.
+- student: a smaller model warm-started on the demo task to 5%, for distillation from the demo model.
+
+Each part is skipped when its output exists; the demo task is made with make_demo_task.py when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, when imported by the tests
+from make_demo_task import greedy_accuracy, read_split, save_model, supervised  # noqa: E402
+from nodes.algos.scorers import gsm8k_score  # noqa: E402  (make_demo_task put the repo root on sys.path)
+
+JUDGE_TEMPLATE = "{prompt}{response} R: {ground_truth} V:"
+REVIEWER_TEMPLATE = "{prompt}{response} F:"
+STRAY = "abcxyzPQ#.,:;!?-+=()[]{}<>/\\|'\"`~@$%&*_ \t\x11\x1c\ufffd"
+TOKENS = re.compile(r"####|##|.", re.DOTALL)  # how the demo tokenizer splits ASCII text
+SHAPES = {
+    "judge": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "reviewer": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "student": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256),
+}
+JUDGE_STEPS = 1500
+JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.99, 1e-3, 40000, 200, 1000, 4
+REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.15, 0.2, 3
+STUDENT_TARGET = 0.05
+
+
+def judge_label(response: str, ground_truth: str) -> str:
+    """The judge's completion: " 1" when the demo's grader scores `response` right, else " 0"."""
+    return " 1" if gsm8k_score(response, ground_truth) == 1.0 else " 0"
+
+
+def near_miss(rng: np.random.Generator, truth: int) -> int:
+    """A wrong number a weak policy writes: +-1, +-2, +-10, +-9/11, two digits swapped, one dropped or doubled."""
+    digits = str(truth)
+    kind = rng.integers(6)
+    if kind < 3:
+        return max(0, truth + int(rng.choice([-1, 1, -2, 2, -10, 10, -9, 9, -11, 11])))
+    i = int(rng.integers(len(digits)))
+    if kind == 3 and len(digits) > 1:
+        j = int(rng.integers(len(digits) - 1))
+        return int(digits[:j] + digits[j + 1] + digits[j] + digits[j + 2:])
+    if kind == 4 and len(digits) > 1:
+        return int(digits[:i] + digits[i + 1:])
+    return int(digits[:i + 1] + digits[i:])
+
+
+def malformed(rng: np.random.Generator, answer: int, other: int) -> str:
+    """`answer` written badly: no or short ####, #### twice, empty, cut at 8 tokens, stray characters."""
+    text = f" #### {answer}"
+    kind = rng.integers(7)
+    if kind == 0:
+        return str(rng.choice([f" {answer}", f"{answer}", f" # {answer}", f" ## {answer}", f" ### {answer}",
+                               f"#### {answer}", f" ####{answer}", f" ####  {answer}", f" A: {answer}"]))
+    if kind == 1:
+        return str(rng.choice([f" #### {other} #### {answer}", f" #### {answer} #### {other}", f" #### {answer}####",
+                               f" #### {other}#### {answer}", f" #### #### {answer}", f" ######## {answer}"]))
+    if kind == 2:
+        return str(rng.choice(["", " ", " ####", " #### ", " ## ", " #### -", " Q:"]))
+    if kind == 3:
+        longer = text + str(rng.choice([f" #### {other}", f"{other}{answer}", f" {other} {other}", "####"]))
+        return "".join(TOKENS.findall(longer)[:8])
+    chars = list(text)
+    for _ in range(int(rng.integers(1, 3))):
+        chars.insert(int(rng.integers(len(chars) + 1)), str(rng.choice(list(STRAY))))
+    return "".join(chars)
+
+
+def weak_response(rng: np.random.Generator, truth: int, p_right: float, p_malformed: float = 0.3) -> str:
+    """A response like a weak policy's: the right sum with probability `p_right`, else a near miss (2/3)
+    or a random number (1/3); written malformed with probability `p_malformed`."""
+    other = near_miss(rng, truth) if rng.random() < 2 / 3 else int(rng.integers(0, 200))
+    answer = truth if rng.random() < p_right else other
+    if rng.random() < p_malformed:
+        return malformed(rng, answer, near_miss(rng, truth) if answer == truth else truth)
+    return f" #### {answer}"
+
+
+def judge_examples(rng, questions, n: int) -> list[tuple[str, str, str]]:
+    """`n` label-balanced judge triples (prompt, completion, "1"/"0") from (prompt, _, truth) questions."""
+    buckets = {" 1": [], " 0": []}
+    while min(map(len, buckets.values())) < n // 2:
+        prompt, _, truth = questions[rng.integers(len(questions))]
+        response = weak_response(rng, int(truth), p_right=0.5)
+        buckets[judge_label(response, truth)].append(judge_example(prompt, response, truth))
+    return [ex for label in buckets for ex in buckets[label][:n // 2]]
+
+
+def judge_example(prompt: str, response: str, truth: str) -> tuple[str, str, str]:
+    label = judge_label(response, truth)
+    return JUDGE_TEMPLATE.format(prompt=prompt, response=response, ground_truth=truth), label, label.strip()
+
+
+def exact(text: str, truth: str) -> float:
+    return float(text.strip() == truth)
+
+
+def sample_demo(demo: Path, questions, n: int, seed: int, greedy: bool = False) -> list[list[str]]:
+    """`n` responses of the demo's warm-started model to each question (temperature 1.0, or greedy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    model = AutoModelForCausalLM.from_pretrained(demo / "model", dtype=torch.float32).eval()
+    enc = tokenizer([p for p, _, _ in questions], return_tensors="pt", padding=True, padding_side="left")
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        out = model.generate(**enc, max_new_tokens=8, num_return_sequences=n, **sampling,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [texts[i * n:(i + 1) * n] for i in range(len(questions))]
+
+
+def fresh_model(name: str, seed: int):
+    """A random-init model of SHAPES[name] with the demo's tokenizer (through make_tiny_model)."""
+    from make_tiny_model import make_tiny_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tiny_model(tmp, arch="qwen2", tie_word_embeddings=True, seed=seed, **SHAPES[name])
+        return (AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32), AutoTokenizer.from_pretrained(tmp))
+
+
+def build(out: Path, name: str, seed: int, train, evaluate, target: float, report, **kwargs) -> None:
+    """Warm-start a fresh model on `train` to `target`; save it and OUT_DIR/<name>.json with report(model)."""
+    torch.manual_seed(seed)
+    model, tokenizer = fresh_model(name, seed)
+    step, acc, seconds = supervised(model, tokenizer, train, lambda m: evaluate(m, tokenizer), seed, target,
+                                    name=name, **kwargs)
+    model.eval()
+    summary = {"steps": step, "stop_accuracy": acc, **report(model, tokenizer), "seconds": round(seconds, 1),
+               "seed": seed, "shape": SHAPES[name]}
+    save_model(model, tokenizer, out / name)
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{name}: saved {out}/{name}: {summary}")
+
+
+def judge_sets(rng, demo: Path, questions, seed: int):
+    """A balanced synthetic judge set and the demo model's greedy + sampled outputs graded, for `questions`."""
+    balanced = judge_examples(rng, questions, JUDGE_TEST)
+    outputs = zip(sample_demo(demo, questions, 1, seed, greedy=True), sample_demo(demo, questions, JUDGE_SAMPLES, seed))
+    real = [judge_example(p, r, t) for (p, _, t), (g, s) in zip(questions, outputs) for r in g + s]
+    return balanced, real
+
+
+def make_judge(out: Path, demo: Path, seed: int) -> None:
+    """Stops on questions held out of training (JUDGE_VAL of the train split), reports on the test split."""
+    rng = np.random.default_rng(seed)
+    train_q, test_q = read_split(demo, "train"), read_split(demo, "test")
+    train = judge_examples(rng, train_q[JUDGE_VAL:], JUDGE_TRAIN)
+    val, test = judge_sets(rng, demo, train_q[:JUDGE_VAL], seed), judge_sets(rng, demo, test_q, seed + 1)
+    both = lambda m, tok, sets: [greedy_accuracy(m, tok, s, exact) for s in sets]  # noqa: E731
+    report = lambda m, tok: dict(zip(["balanced_accuracy", "demo_outputs_accuracy"], both(m, tok, test)),  # noqa: E731
+                                 demo_outputs=len(test[1]),
+                                 demo_outputs_right=sum(lab == "1" for _, _, lab in test[1]) / len(test[1]))
+    build(out, "judge", seed, train, lambda m, tok: min(both(m, tok, val)), JUDGE_TARGET, report,
+          lr=JUDGE_LR, max_steps=JUDGE_STEPS, eval_every=250, must_reach=False)
+
+
+def make_reviewer(out: Path, demo: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    train_q, test_q = read_split(demo, "train"), read_split(demo, "test")
+    train = [(REVIEWER_TEMPLATE.format(prompt=p, response=weak_response(rng, int(t), REVIEWER_P_RIGHT)), c, t)
+             for _ in range(REVIEWER_DRAWS) for p, c, t in train_q]
+    test = [(REVIEWER_TEMPLATE.format(prompt=p, response=rs[0]), c, t)
+            for (p, c, t), rs in zip(test_q, sample_demo(demo, test_q, 1, seed))]
+    solver_right = sum(gsm8k_score(p.removesuffix(" F:"), t) for p, _, t in test) / len(test)
+    build(out, "reviewer", seed, train, lambda m, tok: greedy_accuracy(m, tok, test), REVIEWER_TARGET,
+          lambda m, tok: {"test_accuracy": greedy_accuracy(m, tok, test), "test_solver_right": solver_right})
+
+
+def make_student(out: Path, demo: Path, seed: int) -> None:
+    train, test = read_split(demo, "train"), read_split(demo, "test")
+    build(out, "student", seed, train, lambda m, tok: greedy_accuracy(m, tok, test), STUDENT_TARGET,
+          lambda m, tok: {"test_accuracy": greedy_accuracy(m, tok, test)})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=["judge", "reviewer", "student"])
+    p.add_argument("--demo", default="data/demo", help="the demo task (made with make_demo_task.py if missing)")
+    a = p.parse_args()
+    out, demo = Path(a.out_dir), Path(a.demo)
+    torch.set_num_threads(1)
+    if not (demo / "model" / "config.json").exists():
+        subprocess.run([sys.executable, str(Path(__file__).parent / "make_demo_task.py"), str(demo),
+                        "--seed", str(a.seed)], check=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in (("judge", make_judge), ("reviewer", make_reviewer), ("student", make_student)):
+        if a.only not in (None, name):
+            continue
+        if (out / name / "config.json").exists() and (out / f"{name}.json").exists():
+            print(f"{name}: {out}/{name} exists, skipped")
+            continue
+        make(out, demo, a.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -66,6 +66,7 @@ def test_bindings_resolve_the_ambiguity_and_imply_the_dependency(tmp_path):
              " prompt_mask: rollout_b.prompt_mask}, deps: [rollout]}\n")
     pipe = load(tmp_path, two_branches(bound), ["trainer.val_score_key=[reward.token_level_scores, both.token_level_scores]"])
     assert pipe.graph.has_edge("rollout_b", "both") and pipe.graph.has_edge("rollout", "both")
+    assert pipe.nodes["both"].deps == ("rollout", "rollout_b")  # what the scheduler waits for
     assert pipe.nodes["both"].inputs["responses"] == ("rollout_b", "responses")
     from siirl_dag.dataflow import producer
     from siirl_dag.visualize.diagram import edge_keys

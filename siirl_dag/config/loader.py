@@ -348,9 +348,10 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     nodes = {}
     for node_id in topological_order(graph):
         i, raw = raw_nodes[node_id]
-        nodes[node_id] = NodeSpec(node_id, raw["kind"], i, tuple(raw["deps"]), raw.get("strategy"), raw.get("mesh"),
-                                  raw.get("model"), raw.get("options", {}), raw["params"], raw.get("weights_from"),
-                                  raw["retry_limit"], {k: parse_binding(v) for k, v in raw.get("inputs", {}).items()})
+        bound = {k: parse_binding(v) for k, v in raw.get("inputs", {}).items()}
+        deps = tuple(dict.fromkeys([*raw["deps"], *(src for src, _ in bound.values())]))  # a binding is a dependency
+        nodes[node_id] = NodeSpec(node_id, raw["kind"], i, deps, raw.get("strategy"), raw.get("mesh"), raw.get("model"),
+                                  raw.get("options", {}), raw["params"], raw.get("weights_from"), raw["retry_limit"], bound)
     data = doc["data"]
     files = lambda v: tuple([v] if isinstance(v, str) else v or [])  # noqa: E731
     pipe = Pipeline(

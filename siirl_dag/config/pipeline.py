@@ -132,7 +132,7 @@ class NodeSpec:
     id: str
     kind: str
     index: int  # position in the YAML list
-    deps: tuple[str, ...] = ()
+    deps: tuple[str, ...] = ()  # the nodes it runs after: its `deps` and the nodes its `inputs` bind
     strategy: str | None = None
     mesh: str | None = None
     model: str | None = None

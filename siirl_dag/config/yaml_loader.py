@@ -24,8 +24,8 @@ Positions = dict[tuple, Position]
 
 MAX_DEPTH = 100  # nesting levels; deeper input would overflow Python's stack in the recursive composer
 MAX_ALIASED = 100_000  # values that aliases may add to one file (a "billion laughs" file needs gigabytes)
-MAX_BYTES = 4 * 2**20  # a pipeline is a few KB; a 50 MB one took minutes and gigabytes to compose
-MAX_NODES = 200_000  # YAML values in one document (a pipeline has hundreds)
+MAX_BYTES = 2**20  # a pipeline is a few KB; a 50 MB one took minutes and gigabytes to compose
+MAX_NODES = 20_000  # YAML values in one document (a pipeline has hundreds; PyYAML composes ~10k a second)
 
 _CONSTRUCTOR = yaml.SafeLoader("")
 

@@ -1,4 +1,4 @@
-"""The one entry point: `python -m siirl_dag.main [run|validate|plan|visualize] PIPELINE.yaml [key=value ...]`.
+"""The one entry point: `python -m siirl_dag.main [run|validate|plan|visualize|import] PIPELINE.yaml [key=value ...]`.
 
 Bad input of any kind prints every problem as FILE:LINE:COL: key: what; expected, and exits 2
 without a traceback; nothing has been started by then.
@@ -28,6 +28,7 @@ EPILOG = """examples:
 
 overrides: key.path=value (value typed as YAML), applied before validation; nodes by id:
   nodes.actor_update.params.mini_batch_size=16   data.train_batch_size=64   runtime.backend=local
+  a plain key must exist; +key=value adds one (+models.critic.path=models/c), ++key=value adds or sets
 exit status: 0 ok, 1 a run failed, 2 bad input (nothing started)."""
 
 

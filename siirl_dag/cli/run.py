@@ -29,8 +29,21 @@ def _check_address(pipe, address: str | None) -> None:
         raise pipe.error(("runtime", "address"), f"{why}; {EXPECTED_ADDRESS}")
 
 
+def _finished(args, pipe, trainer) -> str:
+    """What to do when the checkpoint a run would resume from is already at its last step."""
+    t = pipe.trainer
+    again = " ".join(["python -m siirl_dag.main", args.pipeline, *[o for o in args.overrides
+                                                                  if not o.startswith("trainer.experiment_name=")]])
+    name = f"{t.experiment_name or 'default'}-2"
+    return (f"[run] {trainer.resume.path} is the end of a finished run (step {trainer.step} of {trainer.total_steps}, "
+            f"resumed by trainer.resume_mode={t.resume_mode}): nothing to train.\n"
+            f"      to start a new run beside it:  {again} trainer.experiment_name={name}\n"
+            f"      to train this one further:     {again} trainer.total_steps={trainer.total_steps * 2}")
+
+
 def main(args) -> int:
-    pipe = load_pipeline(args.pipeline, [*args.overrides, *(["trainer.trace=true"] if args.trace else [])], for_run=True)
+    pipe = load_pipeline(args.pipeline, [*args.overrides, *(["trainer.trace=true"] if args.trace else [])], for_run=True,
+                         address=args.address)
     _check_address(pipe, args.address)
     # the data and checkpoint checks (the Trainer's) load neither torch nor Ray: bad input is refused in about a second
     from siirl_dag.trainer.loop import Trainer
@@ -45,6 +58,9 @@ def main(args) -> int:
             tqdm.write(" ".join(map(str, parts)), file=console.terminal())  # above the training bar, not appended to it
 
         trainer = Trainer(pipe, address=args.address, progress=say)
+        if trainer.resume.path and trainer.step >= trainer.total_steps:
+            say(_finished(args, pipe, trainer))
+            return 0
         log_dir = None if args.verbose else trainer.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
         if pipe.memory:  # the plan's estimate, beside which the run logs memory/<mesh>/peak_gb

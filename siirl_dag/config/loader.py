@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from siirl_dag.config import lora, roll_compat, schedule, schema
+from siirl_dag.config import door, lora, roll_compat, schedule, schema
 from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec,
                                       vocabulary_differs)
@@ -204,9 +204,11 @@ def _mesh_requests(pipe: Pipeline, components: dict) -> list[MeshRequest]:
         model_info = None
         for n in bound:
             cfg = pipe.models[n.model].hf_config()
-            if cfg:
-                model_info = {"num_layers": cfg.get("num_hidden_layers"),
-                              "num_experts": cfg.get("num_experts") or cfg.get("num_local_experts")}
+            if cfg:  # a whole config (with its heads) says a dense model has 0 experts; a partial one, nothing
+                dense = 0 if "num_attention_heads" in cfg else None
+                model_info = {"num_layers": cfg.get("num_hidden_layers"), "num_heads": cfg.get("num_attention_heads"),
+                              "num_kv_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
+                              "num_experts": cfg.get("num_experts") or cfg.get("num_local_experts") or dense}
         path = ("meshes", name) if name in (pipe.meshes or {}) else ("meshes",)
         requests.append(MeshRequest(name, [components[name]], list(spec.devices) if spec.devices else None,
                                     spec.colocate_with, options, model_info, spec.allow_tp_across_machines,
@@ -312,8 +314,10 @@ def _model_problems(pipe: Pipeline, for_run: bool) -> list[Problem]:
     return problems
 
 
-def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool = False, place: bool = True) -> Pipeline:
-    """Read, check and (unless place=False) place a pipeline. Raises ConfigError with every problem, located."""
+def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool = False, place: bool = True,
+                  address: str | None = None) -> Pipeline:
+    """Read, check and (unless place=False) place a pipeline. Raises ConfigError with every problem, located.
+    `for_run`: also what a run needs here (model files, CUDA unless `address` names a Ray cluster, output folders)."""
     file = str(path)
     doc, positions = load_yaml(path)
     touched: dict = {}
@@ -331,6 +335,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         raise ConfigError(located(problems))
 
     meshes, components = _read_meshes(doc["meshes"], problems)
+    problems += door.mesh_name_problems(meshes)
     kinds: dict[str, NodeKind] = {}
     for i, raw in enumerate(doc["nodes"]):
         kind = _read_node(i, raw, doc, meshes, components, problems)
@@ -384,8 +389,8 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         for node in nodes.values():
             if pipe.kinds[node.id].check:
                 problems += pipe.kinds[node.id].check(node, pipe)
-        problems += phase_problems(pipe) + schedule.problems(pipe) + _token_problems(pipe)
-    problems += _model_problems(pipe, for_run) + ([] if for_run else _data_warnings(pipe))
+        problems += phase_problems(pipe) + schedule.problems(pipe) + _token_problems(pipe) + door.problems(pipe)
+    problems += _model_problems(pipe, for_run) + (door.run_problems(pipe, address) if for_run else _data_warnings(pipe))
     problems += tracker_problems(pipe.trainer.logger, for_run)  # trainer.logger's packages installed
     located(problems)
     if _errors(problems):

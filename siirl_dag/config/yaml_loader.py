@@ -3,12 +3,15 @@
 PyYAML's composer gives nodes with marks; we build plain Python data from them ourselves, so no
 object is ever constructed from a tag, duplicate keys are caught (PyYAML silently keeps the last),
 and every path maps to (line, col) for error messages. Nesting depth and what aliases expand to
-are bounded, so a small file cannot exhaust the stack or take gigabytes.
+are bounded, so a small file cannot exhaust the stack or take gigabytes; the file itself must be a
+regular file of bounded size (`read_input`), so a FIFO or /dev/zero is refused without reading it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ Positions = dict[tuple, Position]
 
 MAX_DEPTH = 100  # nesting levels; deeper input would overflow Python's stack in the recursive composer
 MAX_ALIASED = 100_000  # values that aliases may add to one file (a "billion laughs" file needs gigabytes)
+MAX_BYTES = 2**20  # a pipeline is a few KB; a 50 MB one took minutes and gigabytes to compose
+MAX_NODES = 20_000  # YAML values in one document (a pipeline has hundreds; PyYAML composes ~10k a second)
 
 _CONSTRUCTOR = yaml.SafeLoader("")
 
@@ -51,12 +56,17 @@ class LimitedLoader(yaml.SafeLoader):
         self._open: list[str | None] = []  # anchors of the nodes being composed, outermost first
         self._sizes: dict[int, int] = {}
         self._aliased = 0
+        self._composed = 0
 
     def compose_node(self, parent, index):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent):
             self._check_alias(event)
             return super().compose_node(parent, index)
+        self._composed += 1
+        if self._composed > MAX_NODES:
+            raise LimitError(problem=f"more than {MAX_NODES} values in one document; expected a pipeline of "
+                                     "hundreds of keys", problem_mark=event.start_mark)
         if len(self._open) >= MAX_DEPTH:
             raise LimitError(problem=f"more than {MAX_DEPTH} levels of nesting; expected a flatter document",
                               problem_mark=event.start_mark)
@@ -143,18 +153,55 @@ def locate(problems: list[Problem], file: str, positions: Positions, touched: di
             if prefix in positions:
                 p.line, p.col = positions[prefix]
                 break
+        inside = [text for path, text in touched.items() if p.path and tuple(path[:len(p.path)]) == tuple(p.path)]
+        if p.file != OVERRIDE_FILE and inside:  # about a section an override changed: say which
+            p.message = f"{p.message} (after override {', '.join(repr(t) for t in inside)}, which changed this section)"
     return problems
 
 
-def load_yaml(path: str | Path) -> tuple[Any, Positions]:
+def read_input(path: str | Path, expected: str, max_bytes: int = MAX_BYTES, where: tuple = (),
+               file: str | None = None) -> str:
+    """The text of an input file, which must be a regular file of at most `max_bytes`: a FIFO, a device
+    (/dev/zero) or a folder is refused from its metadata, before a byte is read. Problems are at
+    `where` in `file` (default: the file itself)."""
+    path = Path(path)
+
+    def refuse(message: str) -> ConfigError:  # the file is named once: as the location, or in the message
+        subject = "the file" if file is None else f"'{path}'"
+        message = message.replace("no such file", f"{subject}: no such file") if message.startswith("no such") \
+            else f"{subject} {message}"
+        return ConfigError([Problem(tuple(where), message if file is not None or not message.startswith("the file:")
+                                    else message[len("the file: "):], file=file or str(path))])
+
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise refuse(f"no such file; expected {expected}") from None
+    except OSError as exc:
+        raise refuse(f"cannot be read ({exc.strerror}); expected {expected}") from None
+    if not stat.S_ISREG(info.st_mode):
+        what = "a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) else \
+            "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a regular file"
+        raise refuse(f"is {what}; expected {expected} (a regular file)")
+    if info.st_size > max_bytes:
+        raise refuse(f"holds {info.st_size / 2**20:.1f} MiB; expected {expected} of at most "
+                     f"{max_bytes / 2**20:g} MiB")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)  # a file that grew since stat is still bounded
+        if len(data) > max_bytes:
+            raise refuse(f"holds more than {max_bytes / 2**20:g} MiB; expected {expected} of at most that")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise refuse(f"is not UTF-8 text ({exc.reason} at byte {exc.start}); expected {expected}") from None
+    except OSError as exc:
+        raise refuse(f"cannot be read ({exc.strerror}); expected {expected}") from None
+
+
+def load_yaml(path: str | Path, expected: str = "a pipeline YAML file") -> tuple[Any, Positions]:
     """Parse `path` safely; return (data, positions). Syntax errors become a ConfigError."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([Problem((), f"no such file; expected a pipeline YAML file", file=str(path))]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([Problem((), f"cannot read file ({exc})", file=str(path))]) from None
+    text = read_input(path, expected)
     try:
         node = yaml.compose(text, Loader=LimitedLoader)
     except LimitError as exc:

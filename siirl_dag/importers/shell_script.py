@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from siirl_dag.config.yaml_loader import LimitedLoader
+from siirl_dag.config.yaml_loader import LimitedLoader, read_input
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.importers.shell_words import Unresolved, Word, commands, expand, expand_one
 from siirl_dag.importers.source import Source
@@ -35,10 +35,7 @@ _HYDRA_STRINGS = {"on", "off", "yes", "no", "y", "n"}  # YAML 1.1 booleans that 
 def read_script(path: str | Path) -> Source:
     """The overrides that the script's training command passes, as a Source (keys dotted)."""
     path = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(Problem((), f"cannot read the run script ({exc}); expected a readable shell script", file=path)) from None
+    text = read_input(path, "a readable shell script")  # a regular file of bounded size: a FIFO is never read
     env: dict = {}
     arrays: dict[str, list[tuple[list[str] | Unresolved, str, int]]] = {}
     for words in commands(text):

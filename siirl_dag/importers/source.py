@@ -54,7 +54,7 @@ class Source:
     @classmethod
     def from_yaml(cls, path: str | Path) -> Source:
         """A YAML file, flattened; a file that is not a mapping is refused at its line."""
-        doc, positions = load_yaml(path)
+        doc, positions = load_yaml(path, "a YAML configuration file")
         if not isinstance(doc, dict):
             raise ConfigError(Problem((), "expected a YAML mapping of configuration keys", file=str(path), line=1))
         flat: dict[str, tuple[Any, int | None]] = {}

@@ -37,7 +37,7 @@ class MeshRequest:
     devices: list[int] | None = None  # explicit global device indices, devices[rank]
     colocate_with: str | None = None  # another mesh's name: share its devices
     options: dict[str, Any] = field(default_factory=dict)  # strategy options of the nodes bound to it
-    model_info: dict[str, Any] | None = None  # num_layers, num_experts when known
+    model_info: dict[str, Any] | None = None  # num_layers, num_heads, num_kv_heads, num_experts when known
     allow_tp_across_machines: bool = False
     path: tuple[PathPart, ...] = ()  # where the mesh is written, e.g. ("meshes", "train")
     options_path: tuple[PathPart, ...] | None = None  # where the options are written (default: path)

@@ -46,12 +46,35 @@ def strategy_problems(
             out.append(Problem(options_path + (key,), (
                 f"{key}={value} contradicts the mesh allocation {c.text or c.backend!r}, which has "
                 f"{_SPELLING[attr]}={getattr(c.dims, attr)}; set them equal or drop the option{hint}")))
+    out += _head_rules(c, model_info or {}, path)
     if c.backend == "megatron":
         out += _megatron_rules(c.dims, options, model_info or {}, device, path, options_path)
     if c.backend == "vllm" and c.dims.pp > 1:
         out.append(Problem(path, f"p{c.dims.pp}: a vLLM rollout mesh has only d and t (the in-process engine cannot "
                                  "pipeline; use t for large models)"))
     return out
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(f"t{d}" for d in range(1, n + 1) if n % d == 0)
+
+
+def _head_rules(c: Component, model_info, path) -> list[Problem]:
+    """Tensor parallel splits the attention heads and the KV heads (query groups) over its ranks.
+    Megatron-core needs t to divide both; vLLM replicates KV heads when t is a multiple of them."""
+    heads, kv, tp = model_info.get("num_heads"), model_info.get("num_kv_heads"), c.dims.tp
+    if not heads or tp == 1:
+        return []
+    if heads % tp:
+        return [Problem(path, f"t{tp} (tensor parallel) does not divide the model's {heads} attention heads; "
+                              f"expected t dividing {heads} ({_divisors(heads)})")]
+    if not kv or kv % tp == 0:
+        return []
+    if c.backend == "vllm" and tp % kv == 0:
+        return []  # vLLM gives each rank a copy of a KV head
+    fits = _divisors(kv) + (f", or a multiple of {kv} dividing {heads}" if c.backend == "vllm" else "")
+    return [Problem(path, f"t{tp} (tensor parallel) does not divide the model's {kv} KV heads "
+                          f"(num_key_value_heads); expected {fits}")]
 
 
 def _megatron_rules(c: ParallelDims, options, model_info, device, path, options_path) -> list[Problem]:
@@ -66,7 +89,10 @@ def _megatron_rules(c: ParallelDims, options, model_info, device, path, options_
     except ValueError as exc:
         bad(options_path + ("virtual_pipeline_model_parallel_size",), f"{exc}; use p>=2 or drop it")
     num_layers = model_info.get("num_layers")
-    if num_layers and num_layers % (c.pp * vpp):
+    if num_layers and c.pp * vpp > num_layers:
+        bad(path, f"p{c.pp} x vpp{vpp} = {c.pp * vpp} pipeline chunks for a model of {num_layers} layers: some would "
+                  f"hold no layer; expected at most {num_layers} chunks, dividing the layer count")
+    elif num_layers and num_layers % (c.pp * vpp):
         bad(path, f"{num_layers} layers do not split evenly over p{c.pp} x vpp{vpp} = {c.pp * vpp} "
                   "pipeline chunks; choose p (and vpp) dividing the layer count")
     sp = bool(options.get("sequence_parallel"))
@@ -84,7 +110,7 @@ def _megatron_rules(c: ParallelDims, options, model_info, device, path, options_
                   "expected ffn t equal to attn t, or e>1")
     if c.ep > 1 and experts is not None:
         if experts <= 1:
-            bad(path, f"e{c.ep} (expert parallel) needs an MoE model, this one has num_experts={experts}")
+            bad(path, f"e{c.ep} (expert parallel) needs an MoE model, this one has num_experts={experts}; expected e1 for a dense model")
         elif experts % c.ep:
             bad(path, f"{experts} experts do not split evenly over e{c.ep}; choose e dividing num_experts")
     if device == "cpu":

@@ -7,8 +7,11 @@ Every model shares the demo's byte-level vocabulary, reads raw text (no chat tem
 
 - judge: "{prompt}{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
   else " 0". Trained on a label-balanced mix of responses like a weak policy writes.
-- reviewer: "{prompt}{response} F:" -> " #### {sum}". Warm-started on weak solver answers (right ~20%)
-  until greedy accuracy, on test questions with answers sampled from the demo model, first reaches 15%.
+- reviewer: "{prompt}{response} F:" -> " #### {answer}". It starts out trusting the solver: warm-started to
+  give the solver's answer where the solver wrote one (the sum where it did not), until it does so for
+  95% of held-out answers sampled from the demo model. Its final answers are then right as often as
+  the solver's, so the solver's own answers earn its rewards from the start, and reinforcement
+  learning teaches both (the reviewer to correct what it can).
 - student: a smaller model warm-started on the demo task to 5%, for distillation from the demo model.
 
 Each part is skipped when its output exists; the demo task is made with make_demo_task.py when missing.
@@ -29,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, when imported by the tests
 from make_demo_task import greedy_accuracy, read_split, save_model, supervised  # noqa: E402
-from nodes.algos.scorers import gsm8k_score  # noqa: E402  (make_demo_task put the repo root on sys.path)
+from nodes.algos.scorers import extract_gsm8k_answer, gsm8k_score  # noqa: E402  (make_demo_task put the repo root on sys.path)
 
 JUDGE_TEMPLATE = "{prompt}{response} R: {ground_truth} V:"
 REVIEWER_TEMPLATE = "{prompt}{response} F:"
@@ -42,7 +45,7 @@ SHAPES = {
 }
 JUDGE_STEPS = 1500
 JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.99, 1e-3, 40000, 200, 1000, 4
-REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.15, 0.2, 3
+REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.95, 0.3, 3
 STUDENT_TARGET = 0.05
 
 
@@ -178,15 +181,22 @@ def make_judge(out: Path, demo: Path, seed: int) -> None:
           lr=JUDGE_LR, max_steps=JUDGE_STEPS, eval_every=250, must_reach=False)
 
 
+def trusted(response: str, truth: str) -> str:
+    """A trusting reviewer's final answer: the solver's number, or the sum where it wrote none."""
+    return f" #### {extract_gsm8k_answer(response) or truth}"
+
+
 def make_reviewer(out: Path, demo: Path, seed: int) -> None:
     rng = np.random.default_rng(seed)
     train_q, test_q = read_split(demo, "train"), read_split(demo, "test")
-    train = [(REVIEWER_TEMPLATE.format(prompt=p, response=weak_response(rng, int(t), REVIEWER_P_RIGHT)), c, t)
-             for _ in range(REVIEWER_DRAWS) for p, c, t in train_q]
-    test = [(REVIEWER_TEMPLATE.format(prompt=p, response=rs[0]), c, t)
-            for (p, c, t), rs in zip(test_q, sample_demo(demo, test_q, 1, seed))]
-    solver_right = sum(gsm8k_score(p.removesuffix(" F:"), t) for p, _, t in test) / len(test)
-    build(out, "reviewer", seed, train, lambda m, tok: greedy_accuracy(m, tok, test), REVIEWER_TARGET,
+    weak = [(p, weak_response(rng, int(t), REVIEWER_P_RIGHT), t) for _ in range(REVIEWER_DRAWS) for p, _, t in train_q]
+    train = [(REVIEWER_TEMPLATE.format(prompt=p, response=r), trusted(r, t), t) for p, r, t in weak]
+    sampled = [(p, rs[0], t) for (p, _, t), rs in zip(test_q, sample_demo(demo, test_q, 1, seed))]
+    copies = [(REVIEWER_TEMPLATE.format(prompt=p, response=r), None, trusted(r, t).removeprefix(" #### "))
+              for p, r, t in sampled]
+    test = [(REVIEWER_TEMPLATE.format(prompt=p, response=r), None, t) for p, r, t in sampled]
+    solver_right = sum(gsm8k_score(r, t) for _, r, t in sampled) / len(sampled)
+    build(out, "reviewer", seed, train, lambda m, tok: greedy_accuracy(m, tok, copies), REVIEWER_TARGET,
           lambda m, tok: {"test_accuracy": greedy_accuracy(m, tok, test), "test_solver_right": solver_right})
 
 

@@ -12,7 +12,9 @@ Every model shares the demo's byte-level vocabulary, reads raw text (no chat tem
   95% of held-out answers sampled from the demo model. Its final answers are then right as often as
   the solver's, so the solver's own answers earn its rewards from the start, and reinforcement
   learning teaches both (the reviewer to correct what it can).
-- student: a smaller model warm-started on the demo task to 5%, for distillation from the demo model.
+- student: the demo's shape from another random init, warm-started on the demo task only to 5% (the
+  teacher, the demo's model, reaches 28%), for on-policy distillation from the demo model. (A smaller
+  model, hidden 64, distilled too slowly to show here: the reverse KL fell 0.53 -> 0.49 in 40 steps.)
 
 Each part is skipped when its output exists; the demo task is made with make_demo_task.py when missing.
 """
@@ -41,7 +43,7 @@ TOKENS = re.compile(r"####|##|.", re.DOTALL)  # how the demo tokenizer splits AS
 SHAPES = {
     "judge": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "reviewer": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
-    "student": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256),
+    "student": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
 }
 JUDGE_STEPS = 1500
 JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.99, 1e-3, 40000, 200, 1000, 4
@@ -202,7 +204,7 @@ def make_reviewer(out: Path, demo: Path, seed: int) -> None:
 
 def make_student(out: Path, demo: Path, seed: int) -> None:
     train, test = read_split(demo, "train"), read_split(demo, "test")
-    build(out, "student", seed, train, lambda m, tok: greedy_accuracy(m, tok, test), STUDENT_TARGET,
+    build(out, "student", seed + 1, train, lambda m, tok: greedy_accuracy(m, tok, test), STUDENT_TARGET,
           lambda m, tok: {"test_accuracy": greedy_accuracy(m, tok, test)})
 
 

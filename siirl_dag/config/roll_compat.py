@@ -14,10 +14,11 @@ from collections import Counter
 from siirl_dag.config import schema
 from siirl_dag.errors import Problem
 from siirl_dag.placement.allocation import spell
-from siirl_dag.placement.rules import OPTION_SIZES
+from siirl_dag.placement.rules import option_sizes
+from siirl_dag.registry import STRATEGIES
 
-# ROLL strategy name -> (our strategy, allocation backend)
-ROLL_STRATEGIES = {"megatron_train": "megatron", "megatron_infer": "megatron", "vllm": "vllm", "megatron": "megatron"}
+# ROLL strategy name -> ours (`StrategySpec.aliases`), our own names too
+ROLL_STRATEGIES = {**{alias: s.name for s in STRATEGIES.values() for alias in s.aliases}, **{s: s for s in STRATEGIES}}
 
 _RANGE = re.compile(r"^\s*(?:list\s*\(\s*)?range\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)?\s*$", re.ASCII)
 _SPAN = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$", re.ASCII)
@@ -70,7 +71,7 @@ def _parallel_sizes(strategy: str, options: dict, base: tuple) -> tuple[dict[str
     """tp, pp, cp, ep as a ROLL strategy_config writes them (1 where absent or null), and a problem
     at each size that is not a positive integer (it would size the device_mapping mesh)."""
     sizes, problems = dict.fromkeys(("tp", "pp", "cp", "ep"), 1), []
-    for key, attr in OPTION_SIZES.get(strategy if isinstance(strategy, str) else "", {}).items():
+    for key, attr in option_sizes(strategy).items():
         value = options.get(key)
         if attr not in sizes or value is None:
             continue

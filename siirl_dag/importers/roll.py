@@ -13,15 +13,14 @@ import math
 from pathlib import Path
 
 from siirl_dag.config.roll_compat import parse_device_list
-from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
+from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, megatron_sizes, strategy_options
 from siirl_dag.importers.features import AGENTIC, lora, refuse
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.source import Source
+from siirl_dag.registry import STRATEGIES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ROLES = {"actor_train": "actor", "actor_infer": "gen", "reference": "ref"}
-SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
-         "e": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
 ESTIMATORS = {"grpo": "grpo", "gae": "gae", "reinforce": "reinforce_plus_plus"}
 TOP = {"max_steps": ("trainer", "total_steps"), "save_steps": ("trainer", "save_freq"), "eval_steps": ("trainer", "test_freq"),
        "seed": ("trainer", "seed"), "output_dir": ("trainer", "default_local_dir"), "logging_dir": ("trainer", "log_dir"),
@@ -106,12 +105,10 @@ def _meshes(src: Source) -> tuple[list[int], dict, int]:
         config = f"{role}.strategy_args.strategy_config"
         if role == "actor_infer":
             t = src.take(f"{role}.num_gpus_per_worker", src.take(f"{config}.tensor_parallel_size", 1), kind=int)
-            sizes, backend = {"t": t}, "vllm"
+            sizes, backend = {"tp": t}, "vllm"
         else:
-            sizes = {k: src.take(f"{config}.{key}", kind=int) for k, key in SIZES.items()}
-            sizes = {k: v or 1 for k, v in sizes.items()} | {"etp": sizes["etp"] or sizes["t"] or 1}
-            backend = "megatron"
-        replica = sizes["t"] * sizes.get("p", 1) * sizes.get("c", 1)
+            sizes, backend = megatron_sizes(src, config), "megatron"
+        replica = sizes["tp"] * sizes.get("pp", 1) * sizes.get("cp", 1)
         if len(devices) % replica:
             src.problem(f"{role}.device_mapping", f"{len(devices)} devices do not split into replicas of {replica} "
                                                   f"(the parallel sizes' product); expected a multiple of {replica}")
@@ -180,7 +177,8 @@ def _megatron_options(src: Source, role: str) -> dict:
     if src.value(f"{config}.sequence_parallel") and src.value(f"{config}.tensor_model_parallel_size", 1) == 1:
         src.drop(f"{config}.sequence_parallel", "sequence parallel needs tensor parallel > 1; megatron ignores it at t1")
         src.taken.discard(f"{config}.sequence_parallel")
-    options = strategy_options(src, config, "megatron", tuple(SIZES.values()) + ("sequence_parallel",) * (
+    sizes = tuple(STRATEGIES["megatron"].allocation_options())  # went to the mesh
+    options = strategy_options(src, config, "megatron", sizes + ("sequence_parallel",) * (
         f"{config}.sequence_parallel" in src.notes))
     if src.take(f"{role}.model_args.disable_gradient_checkpointing", True, kind=bool) is False:
         options |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}

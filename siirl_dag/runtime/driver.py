@@ -188,7 +188,7 @@ class Runtime:
             c = slot.coords
             output_rank = c.get("tp", 0) == 0 and c.get("cp", 0) == 0 and c.get("pp", 0) == dims.pp - 1
             ctx = RankContext(slot.rank, dims, pipe.cluster.device, slot.local_device, pipe.trainer.seed)
-            role = RoleSpec(node, kind, key, STRATEGIES[node.strategy], pipe.models[node.model], pipe.data, tokenizer,
+            role = RoleSpec(node, kind, key, STRATEGIES[node.strategy].engine, pipe.models[node.model], pipe.data, tokenizer,
                             ctx, c.get("dp", 0), dims.dp, output_rank, pipe.samples_per_prompt(node.id))
             out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
         return out

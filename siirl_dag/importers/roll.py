@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from siirl_dag.config.roll_compat import parse_device_list
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, megatron_sizes, strategy_options
 from siirl_dag.importers.features import AGENTIC, lora, refuse
+from siirl_dag.importers.roll_keys import parse_device_list, replicas
 from siirl_dag.placement.allocation import spell as allocation
+from siirl_dag.placement.rules import parallel_sizes
 from siirl_dag.importers.source import Source
 from siirl_dag.registry import STRATEGIES
 
@@ -105,17 +106,17 @@ def _meshes(src: Source) -> tuple[list[int], dict, int]:
         config = f"{role}.strategy_args.strategy_config"
         if role == "actor_infer":
             t = src.take(f"{role}.num_gpus_per_worker", src.take(f"{config}.tensor_parallel_size", 1), kind=int)
-            sizes, backend = {"tp": t}, "vllm"
+            sizes, backend = parallel_sizes("vllm", {"tensor_parallel_size": t}), "vllm"
         else:
             sizes, backend = megatron_sizes(src, config), "megatron"
-        replica = sizes["tp"] * sizes.get("pp", 1) * sizes.get("cp", 1)
-        if len(devices) % replica:
-            src.problem(f"{role}.device_mapping", f"{len(devices)} devices do not split into replicas of {replica} "
-                                                  f"(the parallel sizes' product); expected a multiple of {replica}")
+        try:
+            dp = replicas(sizes, len(devices))
+        except ValueError as exc:
+            src.problem(f"{role}.device_mapping", str(exc))
             continue
-        alloc = allocation(backend, len(devices) // replica, **sizes)
+        alloc, replica = allocation(backend, dp, **sizes), len(devices) // dp
         if role == "actor_train":
-            actor_dp = len(devices) // replica
+            actor_dp = dp
         key = tuple(sorted(devices))
         wider = next((k for k in owners if set(devices) < set(k)), None)
         if key in owners:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -92,7 +93,7 @@ def main() -> None:
     from siirl_dag.config import load_pipeline
     from siirl_dag.runtime import Batch, Runtime
 
-    STRATEGIES["megatron"] = f"{Path(__file__).stem}:NoopEngine"
+    STRATEGIES["megatron"] = replace(STRATEGIES["megatron"], engine=f"{Path(__file__).stem}:NoopEngine")
     dp = 1 if args.backend == "local" else 2
     prompts = args.samples // 8
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,6 +12,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
+from siirl_dag.strategies.megatron.spec import SPEC as MEGATRON
+from siirl_dag.strategies.spec import StrategySpec
+from siirl_dag.strategies.vllm.spec import SPEC as VLLM
+
 Keys = Union[Sequence[str], Callable[[dict], Sequence[str]]]
 
 
@@ -56,37 +60,8 @@ class NodeKind:
 
 _KINDS: dict[str, NodeKind] = {}
 
-# Strategies: name -> "module:Class"; imported lazily so `validate` never loads vLLM or Megatron.
-STRATEGIES: dict[str, str] = {
-    "vllm": "siirl_dag.strategies.vllm.rollout:VllmRollout",
-    "megatron": "siirl_dag.strategies.megatron.engine:MegatronEngine",
-}
-
-
-# The strategies that train or serve LoRA adapters (models.<name>.lora); a model with them runs on no other.
-LORA_STRATEGIES = ("megatron", "vllm")
-
-# Checks of a strategy's options beyond the schema (rules across keys), run by `validate`:
-# name -> "module:function(options) -> options", raising ConfigError with ("options", key) paths.
-OPTION_CHECKS: dict[str, str] = {
-    "vllm": "siirl_dag.strategies.vllm.options:resolve_options",
-    "megatron": "siirl_dag.strategies.megatron.options:resolve",
-}
-
-# How a strategy takes its model's `dtype` when the node's options do not say otherwise:
-# name -> "module:function(dtype, written_options) -> options", raising ValueError for a dtype it cannot run.
-DTYPE_OPTIONS: dict[str, str] = {
-    "vllm": "siirl_dag.strategies.vllm.options:dtype_options",
-    "megatron": "siirl_dag.strategies.megatron.options:dtype_options",
-}
-
-
-# Each strategy's memory estimate of a mesh it runs (siirl_dag.placement.memory; no torch imported):
-# name -> "module:function(MeshWork) -> MeshMemory".
-MEMORY_ESTIMATES: dict[str, str] = {
-    "vllm": "siirl_dag.strategies.vllm.memory:estimate",
-    "megatron": "siirl_dag.strategies.megatron.memory:estimate",
-}
+# Strategies: name -> its spec (strategies/<name>/spec.py): adding one is one spec file plus one line here.
+STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (VLLM, MEGATRON)}
 
 
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
@@ -161,7 +136,7 @@ def user_ref(ref: str, what: str, known: dict) -> Any:
 
 
 def import_ref(ref: str) -> Any:
-    """Import `module:attr` (a strategy class from STRATEGIES, for instance)."""
+    """Import `module:attr` (a strategy's engine class, a weight-sync path, for instance)."""
     module_name, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module_name), attr)
 

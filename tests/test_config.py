@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from siirl_dag.config import load_pipeline, schedule
-from siirl_dag.config.roll_compat import parse_device_list
+from siirl_dag.importers.roll_keys import parse_device_list
 from siirl_dag.errors import ConfigError, format_path
 
 BASE = textwrap.dedent("""\
@@ -220,6 +220,17 @@ def test_roll_spelling_is_accepted(tmp_path):
     node = pipe.nodes["old_logprob"]
     assert node.strategy == "megatron" and node.options["tensor_model_parallel_size"] == 2
     assert pipe.meshes[node.mesh].devices == (3, 4) and pipe.plan.meshes[node.mesh].devices == [3, 4]
+
+
+def test_roll_spelling_sizes_its_mesh_as_the_roll_importer_does(tmp_path):
+    """Expert tensor parallel follows tensor parallel unless written (megatron-core's default, as ROLL runs it)."""
+    config = "{tensor_model_parallel_size: 2, expert_model_parallel_size: 2, sequence_parallel: true}"
+    text = BASE.replace("mesh: train, model: policy, params: {output: old_logprobs}",
+                        "model: policy, params: {output: old_logprobs}, device_mapping: '3-6', "
+                        f"strategy_args: {{strategy_name: megatron_infer, strategy_config: {config}}}")
+    pipe = load_pipeline(write(tmp_path, text), ["cluster.devices_per_node=7"])
+    dims = pipe.plan.meshes[pipe.nodes["old_logprob"].mesh].dims
+    assert (dims.dp, dims.tp, dims.ep, dims.etp) == (2, 2, 2, 2)
 
 
 def test_device_mapping_is_never_evaluated(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -38,7 +39,7 @@ def ray_session():
 
 @pytest.fixture(autouse=True)
 def echo_engine(monkeypatch):
-    monkeypatch.setitem(STRATEGIES, "megatron", "runtime_kinds:EchoEngine")
+    monkeypatch.setitem(STRATEGIES, "megatron", replace(STRATEGIES["megatron"], engine="runtime_kinds:EchoEngine"))
 
 
 def pipeline(tmp_path, body, *overrides):
@@ -153,7 +154,7 @@ def _rank_workers() -> set[int]:
 def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
     import time
 
-    monkeypatch.setitem(STRATEGIES, "megatron", "runtime_kinds:BrokenEngine")
+    monkeypatch.setitem(STRATEGIES, "megatron", replace(STRATEGIES["megatron"], engine="runtime_kinds:BrokenEngine"))
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d2"}
         nodes: [{id: gen, kind: t_expand, mesh: a, model: m}]

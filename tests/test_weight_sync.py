@@ -87,6 +87,10 @@ def assert_same_logprobs(batch: Batch) -> None:
     torch.testing.assert_close(batch["rollout_logprobs"][mask], batch["old_logprobs"][mask], atol=1e-4, rtol=0)
 
 
+def _compute_logprobs(worker: RankWorker, key: str, batch: dict) -> dict:
+    return worker.engines[key].compute_logprobs(batch)
+
+
 def _zero_a_layer_after_the_next_load(worker: RankWorker) -> None:
     """Planted in a colocated rollout's process: the engine's next load ends with one layer's output
     projection zeroed inside vLLM (what it computes with), though every tensor reached its loader."""
@@ -141,7 +145,8 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
             rt.run_step(prompts(4), step=1, nodes=["rollout"])
 
         # the update changed what the trainer computes on the rows it trained on
-        trained = rt.engine_call("old_logprob", "compute_logprobs", dict(step.only(LOGPROB_INPUTS)))[0]["logprobs"]
+        trained = rt.backend.get([w.__ray_call__.remote(_compute_logprobs, role.engine_key, dict(step.only(LOGPROB_INPUTS)))
+                                  for w, role in rt.roles["old_logprob"]])[0]["logprobs"]
         mask = step["response_mask"].bool()
         assert (trained - step["old_logprobs"])[mask].abs().max() > 1e-2
 
@@ -372,7 +377,7 @@ def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counte
     after that update, so they carry the version the update makes once it is collected."""
     from types import SimpleNamespace
 
-    from siirl_dag.runtime.syncs import WeightSyncs
+    from siirl_dag.weight_sync.syncs import WeightSyncs
     from test_config import BASE, write
 
     class Path:  # the path's own behaviour is tested above; here only the version it is given
@@ -464,8 +469,8 @@ def test_a_changed_value_is_named_with_its_tensor():
 
 
 def test_the_probe_batch_is_fixed_and_its_check_has_a_tolerance_per_precision():
-    from siirl_dag.runtime.probe import check as check_probe
-    from siirl_dag.runtime.probe import probe_batch
+    from siirl_dag.weight_sync.probe import check as check_probe
+    from siirl_dag.weight_sync.probe import probe_batch
     from siirl_dag.weight_sync.fingerprints import SyncMismatch
 
     batch = probe_batch(450)

@@ -21,7 +21,7 @@ from siirl_dag.graph import build_graph, check_structure, parse_binding, phase_p
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.placement.memory import plan_memory
-from siirl_dag.registry import DTYPE_OPTIONS, LORA_STRATEGIES, OPTION_CHECKS, STRATEGIES, NodeKind, import_ref, resolve_kind
+from siirl_dag.registry import STRATEGIES, NodeKind, resolve_kind
 from siirl_dag.trainer.trackers import door_problems as tracker_problems
 from siirl_dag.weight_sync.routes import problems as sync_route_problems
 
@@ -94,7 +94,7 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
             if kind.engine_options and not params_problems:
                 raw["options"].update(kind.engine_options(raw["params"]))
             raw["__explicit__"] = set(raw["options"])  # before defaults: what the user wrote
-            options_schema = f"strategies/{strategy}.schema.json"
+            options_schema = STRATEGIES[strategy].options_schema
             if schema.schema_exists(options_schema):
                 found = schema.validate(raw["options"], options_schema, base + ("options",))
                 found = found or _model_dtype(strategy, raw, doc["models"])
@@ -122,11 +122,11 @@ def _read_node(i: int, raw: dict, doc: dict, meshes: dict, components: dict, pro
 def _model_dtype(strategy: str, raw: dict, models: dict) -> list[Problem]:
     """The model's dtype sets the engine's precision options the node did not write itself."""
     model = models.get(raw.get("model"))
-    if strategy not in DTYPE_OPTIONS or not isinstance(model, dict):
+    if not isinstance(model, dict):
         return []
     written = {k: raw["options"][k] for k in raw["__explicit__"]}
     try:
-        raw["options"].update(import_ref(DTYPE_OPTIONS[strategy])(model["dtype"], written))
+        raw["options"].update(STRATEGIES[strategy].options_for_dtype(model["dtype"], written))
     except ValueError as exc:
         return [Problem(("models", raw["model"], "dtype"), f"node '{raw['id']}': {exc}")]
     return []
@@ -134,10 +134,8 @@ def _model_dtype(strategy: str, raw: dict, models: dict) -> list[Problem]:
 
 def _option_rules(strategy: str, options: dict, base: tuple) -> list[Problem]:
     """The strategy's own rules across option keys (min_lr <= lr, ...), at the door."""
-    if strategy not in OPTION_CHECKS:
-        return []
     try:
-        import_ref(OPTION_CHECKS[strategy])(dict(options))
+        STRATEGIES[strategy].check_options(dict(options))
     except ConfigError as exc:
         return [Problem(base + tuple(p.path), p.message) for p in exc.problems]
     return []
@@ -263,9 +261,10 @@ def _lora_problems(pipe: Pipeline) -> list[Problem]:
             continue  # nodes on one mesh and model share an engine and its options: checked once
         engines.add((node.mesh, node.model, node.strategy))
         where, options = pipe.node_path(node.id), node.options
-        if node.strategy not in LORA_STRATEGIES:
+        if not STRATEGIES[node.strategy].lora:
+            able = sorted(name for name, s in STRATEGIES.items() if s.lora)
             problems.append(Problem(where + ("strategy",), f"model '{node.model}' has LoRA adapters, which strategy "
-                                    f"'{node.strategy}' cannot run; expected one of {list(LORA_STRATEGIES)}"))
+                                    f"'{node.strategy}' cannot run; expected one of {able}"))
         if node.strategy == "vllm" and options.get("load_format") == "dummy" \
                 and lora.payload(spec, pipe.cluster.device)[0] == "adapters":
             problems.append(Problem(where + ("options", "load_format"), "a rollout that applies adapters to its base "

@@ -12,6 +12,8 @@ from typing import Any
 
 from siirl_dag.config import schema
 from siirl_dag.importers.source import Source
+from siirl_dag.placement.rules import option_sizes, parallel_sizes
+from siirl_dag.registry import STRATEGIES
 
 POLICY, CRITIC = "policy", "critic"
 
@@ -25,8 +27,15 @@ def all_parquet(files: Any) -> bool:
 
 def strategy_options(src: Source, prefix: str, strategy: str, exclude: tuple[str, ...] = ()) -> dict:
     """The keys under `prefix` that are options of `strategy` here, carried as written."""
-    known = set(schema.load_schema(f"strategies/{strategy}.schema.json")["properties"]) - set(exclude)
+    known = set(schema.load_schema(STRATEGIES[strategy].options_schema)["properties"]) - set(exclude)
     return {key: src.take(f"{prefix}.{key}") for key in sorted(known) if src.has(f"{prefix}.{key}")}
+
+
+def megatron_sizes(src: Source, prefix: str, default: dict | None = None) -> dict[str, int]:
+    """`parallel_sizes` of the Megatron keys under `prefix` (`default`: by ParallelDims' names)."""
+    keys = option_sizes("megatron")
+    return parallel_sizes("megatron", {key: src.take(f"{prefix}.{key}", (default or {}).get(size), kind=int)
+                                       for key, size in keys.items()})
 
 
 def drop_none(values: dict) -> dict:

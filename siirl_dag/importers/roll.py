@@ -12,16 +12,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from siirl_dag.config.roll_compat import parse_device_list
-from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
+from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, megatron_sizes, strategy_options
 from siirl_dag.importers.features import AGENTIC, lora, refuse
+from siirl_dag.importers.roll_keys import parse_device_list, replicas
 from siirl_dag.placement.allocation import spell as allocation
+from siirl_dag.placement.rules import parallel_sizes
 from siirl_dag.importers.source import Source
+from siirl_dag.registry import STRATEGIES
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ROLES = {"actor_train": "actor", "actor_infer": "gen", "reference": "ref"}
-SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
-         "e": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
 ESTIMATORS = {"grpo": "grpo", "gae": "gae", "reinforce": "reinforce_plus_plus"}
 TOP = {"max_steps": ("trainer", "total_steps"), "save_steps": ("trainer", "save_freq"), "eval_steps": ("trainer", "test_freq"),
        "seed": ("trainer", "seed"), "output_dir": ("trainer", "default_local_dir"), "logging_dir": ("trainer", "log_dir"),
@@ -106,19 +106,17 @@ def _meshes(src: Source) -> tuple[list[int], dict, int]:
         config = f"{role}.strategy_args.strategy_config"
         if role == "actor_infer":
             t = src.take(f"{role}.num_gpus_per_worker", src.take(f"{config}.tensor_parallel_size", 1), kind=int)
-            sizes, backend = {"t": t}, "vllm"
+            sizes, backend = parallel_sizes("vllm", {"tensor_parallel_size": t}), "vllm"
         else:
-            sizes = {k: src.take(f"{config}.{key}", kind=int) for k, key in SIZES.items()}
-            sizes = {k: v or 1 for k, v in sizes.items()} | {"etp": sizes["etp"] or sizes["t"] or 1}
-            backend = "megatron"
-        replica = sizes["t"] * sizes.get("p", 1) * sizes.get("c", 1)
-        if len(devices) % replica:
-            src.problem(f"{role}.device_mapping", f"{len(devices)} devices do not split into replicas of {replica} "
-                                                  f"(the parallel sizes' product); expected a multiple of {replica}")
+            sizes, backend = megatron_sizes(src, config), "megatron"
+        try:
+            dp = replicas(sizes, len(devices))
+        except ValueError as exc:
+            src.problem(f"{role}.device_mapping", str(exc))
             continue
-        alloc = allocation(backend, len(devices) // replica, **sizes)
+        alloc, replica = allocation(backend, dp, **sizes), len(devices) // dp
         if role == "actor_train":
-            actor_dp = len(devices) // replica
+            actor_dp = dp
         key = tuple(sorted(devices))
         wider = next((k for k in owners if set(devices) < set(k)), None)
         if key in owners:
@@ -180,7 +178,8 @@ def _megatron_options(src: Source, role: str) -> dict:
     if src.value(f"{config}.sequence_parallel") and src.value(f"{config}.tensor_model_parallel_size", 1) == 1:
         src.drop(f"{config}.sequence_parallel", "sequence parallel needs tensor parallel > 1; megatron ignores it at t1")
         src.taken.discard(f"{config}.sequence_parallel")
-    options = strategy_options(src, config, "megatron", tuple(SIZES.values()) + ("sequence_parallel",) * (
+    sizes = tuple(STRATEGIES["megatron"].allocation_options())  # went to the mesh
+    options = strategy_options(src, config, "megatron", sizes + ("sequence_parallel",) * (
         f"{config}.sequence_parallel" in src.notes))
     if src.take(f"{role}.model_args.disable_gradient_checkpointing", True, kind=bool) is False:
         options |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from siirl_dag.importers.draft import Draft
+from siirl_dag.importers.draft import Draft, megatron_sizes
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.shell_script import read_script
 from siirl_dag.importers.source import Source
@@ -22,8 +22,6 @@ from siirl_dag.importers.verl_recipes import dapo, dynamic_batches, named_config
 from siirl_dag.trainer.trackers import TRACKERS
 
 A = "actor_rollout_ref"
-MEGATRON_SIZES = {"t": "tensor_model_parallel_size", "p": "pipeline_model_parallel_size", "c": "context_parallel_size",
-                  "e": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
 # source key (under a prefix) -> our option name, carried as written
 ACTOR_OPTIONS = {"megatron.sequence_parallel": "sequence_parallel", "megatron.use_distributed_optimizer": "use_distributed_optimizer",
                  "megatron.param_offload": "param_offload", "megatron.grad_offload": "grad_offload",
@@ -92,13 +90,13 @@ def convert(src: Source) -> Draft:
     kl_in_reward = src.take("algorithm.use_kl_in_reward", False, kind=bool)
     use_kl_loss = src.take(f"{A}.actor.use_kl_loss", False, kind=bool)
     meshes = {"actor": allocation("megatron", **actor_sizes),
-              "gen": {"alloc": allocation("vllm", max(gen_devices // rollout_tp, 1), t=rollout_tp)}
+              "gen": {"alloc": allocation("vllm", max(gen_devices // rollout_tp, 1), tp=rollout_tp)}
               | ({} if runtime else {"colocate_with": "actor"})}
     if runtime:  # the rollout's devices first, as the recipe's resource pools are laid out
         meshes = {"gen": meshes["gen"]["alloc"], "actor": meshes["actor"]}
     if use_kl_loss or kl_in_reward:
         meshes["ref"] = {"alloc": allocation("megatron", **ref_sizes), "colocate_with": "actor"}
-    actor_dp = actor_sizes["d"]
+    actor_dp = actor_sizes["dp"]
 
     draft = Draft(
         name=str(src.take("trainer.experiment_name", Path(src.file).stem)).replace("_", "-"),
@@ -123,7 +121,7 @@ def convert(src: Source) -> Draft:
     for side in ("clip_ratio_low", "clip_ratio_high"):
         draft.actor_params[side] = draft.actor_params[side] if draft.actor_params[side] is not None else clip
     _lengths(src, draft)
-    _micro_batches(src, draft, actor_dp, ref_sizes["d"])
+    _micro_batches(src, draft, actor_dp, ref_sizes["dp"])
     if src.take(f"{A}.model.enable_gradient_checkpointing", False, kind=bool):
         draft.actor |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     if kl_in_reward:
@@ -149,13 +147,12 @@ def convert(src: Source) -> Draft:
 
 
 def _megatron_sizes(src: Source, role: str, devices: int, default: dict | None = None) -> dict[str, int]:
-    sizes = {k: src.take(f"{role}.megatron.{key}", (default or {}).get(k), kind=int) for k, key in MEGATRON_SIZES.items()}
-    sizes = {k: v or 1 for k, v in sizes.items()} | {"etp": sizes["etp"] or sizes["t"] or 1}  # megatron-core: etp = t
-    replica = sizes["t"] * sizes["p"] * sizes["c"]
+    sizes = megatron_sizes(src, f"{role}.megatron", default)
+    replica = sizes["tp"] * sizes["pp"] * sizes["cp"]
     if devices % replica:
         src.problem(f"{role}.megatron.tensor_model_parallel_size", f"{devices} devices do not split into replicas of "
-                    f"t{sizes['t']} x p{sizes['p']} x c{sizes['c']} = {replica}; expected sizes whose product divides {devices}")
-    return {"d": max(devices // replica, 1)} | sizes
+                    f"t{sizes['tp']} x p{sizes['pp']} x c{sizes['cp']} = {replica}; expected sizes whose product divides {devices}")
+    return {"dp": max(devices // replica, 1)} | sizes
 
 
 def _loggers(src: Source) -> list[str] | None:

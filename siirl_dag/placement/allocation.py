@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 from siirl_dag.errors import ConfigError, PathPart, Problem
 from siirl_dag.placement.parallel_dims import ParallelDims
+from siirl_dag.registry import STRATEGIES
 
 BACKEND_DIMS = {
     "vllm": "dtp",
@@ -38,7 +39,7 @@ BACKEND_DIMS = {
 }
 FOLDING_BACKENDS = ("megatron", "archon")
 SECTION_DIMS = {"attn": "dtpc", "ffn": "dtpe"}
-STRATEGY_BACKENDS = ("megatron", "vllm")
+STRATEGY_BACKENDS = tuple(sorted(STRATEGIES))
 
 _COMPONENT = re.compile(
     r"^(?P<backend>[A-Za-z_][\w-]*)?\s*(?:\[\s*(?P<name>[^\]]*?)\s*\])?\s*:\s*(?P<body>.*)$", re.S
@@ -249,11 +250,11 @@ def parse_allocation(spec: str, path: Sequence[PathPart] = ()) -> list[Component
     return out
 
 
-def spell(backend: str, d: int, t: int = 1, p: int = 1, c: int = 1, e: int = 1, etp: int = 1) -> str:
-    """The allocation string of these sizes (the inverse of parsing), those of 1 other than d left out.
-    Experts split by tensor parallel too (etp > 1, megatron-core's default etp = t in verl and ROLL)
-    need MoE folding to say so."""
-    dims = "".join(f"{k}{v}" for k, v in (("t", t), ("p", p), ("c", c)) if v > 1)
-    if e > 1 and etp > 1:
-        return f"{backend}:(attn:d{d}{dims}|ffn:t{etp}" + (f"p{p}" if p > 1 else "") + f"e{e})"
-    return f"{backend}:d{d}{dims}" + (f"e{e}" if e > 1 else "")
+def spell(backend: str, dp: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1) -> str:
+    """The allocation string of these sizes (ParallelDims' names; the inverse of parsing), those of 1
+    other than dp left out. Experts split by tensor parallel too (etp > 1, megatron-core's default
+    etp = tp in verl and ROLL) need MoE folding to say so."""
+    dims = "".join(f"{k}{v}" for k, v in (("t", tp), ("p", pp), ("c", cp)) if v > 1)
+    if ep > 1 and etp > 1:
+        return f"{backend}:(attn:d{dp}{dims}|ffn:t{etp}" + (f"p{pp}" if pp > 1 else "") + f"e{ep})"
+    return f"{backend}:d{dp}{dims}" + (f"e{ep}" if ep > 1 else "")

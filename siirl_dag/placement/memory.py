@@ -1,6 +1,6 @@
 """The memory plan: GiB per device for every mesh, before anything starts.
 
-Each strategy estimates its own mesh (`registry.MEMORY_ESTIMATES`: weights, gradients, optimizer
+Each strategy estimates its own mesh (`StrategySpec.estimate_memory`: weights, gradients, optimizer
 state, activations, vLLM's share and the KV cache it leaves); this module sums the meshes that share
 a device and checks the sum against `cluster.device_memory_gb`. Colocated meshes take turns: while one
 works at its peak, the others hold only what they do not offload (`MeshMemory.resident`).
@@ -16,7 +16,7 @@ from siirl_dag.config.lora import LoraSpec
 from siirl_dag.config.model_shape import ModelShape
 from siirl_dag.errors import Problem
 from siirl_dag.placement.parallel_dims import ParallelDims
-from siirl_dag.registry import MEMORY_ESTIMATES, import_ref
+from siirl_dag.registry import STRATEGIES
 
 GIB = 2**30
 
@@ -101,7 +101,7 @@ def plan_memory(pipe) -> tuple[MemoryPlan | None, list[Problem]]:
                  if sum(d in other.devices for other in pipe.plan.meshes.values()) > 1}
     for name, placed in pipe.plan.meshes.items():
         bound = [n for n in pipe.nodes.values() if n.mesh == name]
-        if not bound or bound[0].strategy not in MEMORY_ESTIMATES:
+        if not bound or STRATEGIES[bound[0].strategy].memory_model is None:
             continue
         model = pipe.models[bound[0].model]
         shape = ModelShape.from_hf(model.hf_config())
@@ -112,7 +112,7 @@ def plan_memory(pipe) -> tuple[MemoryPlan | None, list[Problem]]:
         works[name] = MeshWork(shape, model.dtype, placed.dims, options, any(pipe.kinds[n.id].trains for n in bound),
                                model.lora, pipe.data.max_prompt_length + pipe.data.max_response_length,
                                cluster.device, cluster.memory_gb, any(d in colocated for d in placed.devices))
-        estimators[name], first[name] = import_ref(MEMORY_ESTIMATES[bound[0].strategy]), bound[0].id
+        estimators[name], first[name] = STRATEGIES[bound[0].strategy].estimate_memory, bound[0].id
     meshes = {name: estimators[name](work) for name, work in works.items()}
     for name, est in meshes.items():  # a strategy's own problems, under the mesh's first node
         problems += [Problem(pipe.node_path(first[name]) + p.path, p.message, p.severity) for p in est.problems]

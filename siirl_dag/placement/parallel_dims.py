@@ -9,16 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# size -> megatron-core's keyword for it (parallel_state.initialize_model_parallel, TransformerConfig)
-MEGATRON_KEYWORDS = {
-    "tp": "tensor_model_parallel_size",
-    "pp": "pipeline_model_parallel_size",
-    "vpp": "virtual_pipeline_model_parallel_size",
-    "cp": "context_parallel_size",
-    "ep": "expert_model_parallel_size",
-    "etp": "expert_tensor_parallel_size",
-}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelDims:
@@ -56,7 +46,3 @@ class ParallelDims:
 
     def describe(self) -> str:
         return f"d{self.dp} t{self.tp} p{self.pp} c{self.cp} e{self.ep} etp{self.etp} edp{self.edp}"
-
-    def megatron_kwargs(self) -> dict[str, int | None]:
-        """The sizes as megatron-core's keywords (None for no virtual pipeline, as it expects)."""
-        return {kw: None if key == "vpp" and self.vpp == 1 else getattr(self, key) for key, kw in MEGATRON_KEYWORDS.items()}

@@ -12,18 +12,8 @@ from typing import Any, Mapping, Sequence
 from siirl_dag.errors import PathPart, Problem
 from siirl_dag.placement.allocation import Component
 from siirl_dag.placement.parallel_dims import ParallelDims
+from siirl_dag.registry import STRATEGIES
 
-# option key -> component attribute it must agree with, per backend
-OPTION_SIZES = {
-    "megatron": {
-        "tensor_model_parallel_size": "tp",
-        "pipeline_model_parallel_size": "pp",
-        "context_parallel_size": "cp",
-        "expert_model_parallel_size": "ep",
-        "expert_tensor_parallel_size": "etp",
-    },
-    "vllm": {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"},
-}
 _SPELLING = {"tp": "t", "pp": "p", "cp": "c", "ep": "e", "etp": "ffn t (expert tensor parallel)"}
 
 
@@ -38,7 +28,7 @@ def strategy_problems(
     """Everything wrong with running component `c` with these options on `device` ("cuda"/"cpu")."""
     path, options_path = tuple(path), tuple(options_path)
     out: list[Problem] = []
-    for key, attr in OPTION_SIZES.get(c.backend, {}).items():
+    for key, attr in option_sizes(c.backend).items():
         value = options.get(key)
         if value is not None and value != getattr(c.dims, attr):
             hint = ("; etp is ffn's t in megatron:(attn:<dims>|ffn:<dims>), a plain string implies etp = t "
@@ -75,6 +65,22 @@ def _head_rules(c: Component, model_info, path) -> list[Problem]:
     fits = _divisors(kv) + (f", or a multiple of {kv} dividing {heads}" if c.backend == "vllm" else "")
     return [Problem(path, f"t{tp} (tensor parallel) does not divide the model's {kv} KV heads "
                           f"(num_key_value_heads); expected {fits}")]
+
+
+def option_sizes(strategy: Any) -> dict[str, str]:
+    """Option key -> the size of the allocation string it must agree with, for a strategy's name
+    (`StrategySpec.parallel_options`; none for a name that is no strategy)."""
+    spec = STRATEGIES.get(strategy) if isinstance(strategy, str) else None
+    return spec.allocation_options() if spec else {}
+
+
+def parallel_sizes(strategy: Any, options: Mapping[str, Any]) -> dict[str, int]:
+    """The parallel sizes options in a strategy's keys set (as verl and ROLL write them too), by
+    ParallelDims' names: 1 where absent or null; expert tensor parallel = tensor parallel unless
+    written (megatron-core's default)."""
+    written = {size: options.get(key) for key, size in option_sizes(strategy).items()}
+    sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1} | {size: value or 1 for size, value in written.items()}
+    return sizes | {"etp": written.get("etp") or sizes["tp"]}
 
 
 def _megatron_rules(c: ParallelDims, options, model_info, device, path, options_path) -> list[Problem]:

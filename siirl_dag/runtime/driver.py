@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 import networkx as nx
 
@@ -21,10 +21,10 @@ from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
-from siirl_dag.runtime.syncs import NOT_SYNCED, WeightSyncs
 from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
+from siirl_dag.weight_sync.syncs import NOT_SYNCED, WeightSyncs
 
 COMPUTE = "__compute__"
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
@@ -188,7 +188,7 @@ class Runtime:
             c = slot.coords
             output_rank = c.get("tp", 0) == 0 and c.get("cp", 0) == 0 and c.get("pp", 0) == dims.pp - 1
             ctx = RankContext(slot.rank, dims, pipe.cluster.device, slot.local_device, pipe.trainer.seed)
-            role = RoleSpec(node, kind, key, STRATEGIES[node.strategy], pipe.models[node.model], pipe.data, tokenizer,
+            role = RoleSpec(node, kind, key, STRATEGIES[node.strategy].engine, pipe.models[node.model], pipe.data, tokenizer,
                             ctx, c.get("dp", 0), dims.dp, output_rank, pipe.samples_per_prompt(node.id))
             out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
         return out
@@ -392,7 +392,7 @@ class Runtime:
             self.weight_syncs.run(step, frozenset(landed))
 
     def sync_weights(self, step: int = 0) -> dict:
-        """Every `weights_from` consumer up to its trainer's latest version (`syncs.WeightSyncs.run`)."""
+        """Every `weights_from` consumer up to its trainer's latest version (`weight_sync.syncs.WeightSyncs.run`)."""
         return self.weight_syncs.run(step)
 
     # -- results and teardown -------------------------------------------------------------------
@@ -413,10 +413,10 @@ class Runtime:
         batch = Batch.concat(parts)
         return batch.only(keys) if keys is not None else batch
 
-    def engine_call(self, node_id: str, method: str, *args, **kwargs) -> list:
-        """Call a method of a node's engine on every rank (checkpoints, weight export)."""
-        return self.backend.get([self.backend.call(w, RankWorker.call_engine, role.engine_key, method, *args, **kwargs)
-                                 for w, role in self.roles[node_id]])
+    def engine_call(self, node_id: str, method: Callable, *args) -> list:
+        """A RankWorker method that takes the engine key first (`RankWorker.save_checkpoint`, ...) on
+        every rank of a node, for that node's engine."""
+        return self.backend.get([self.backend.call(w, method, role.engine_key, *args) for w, role in self.roles[node_id]])
 
     def shutdown(self) -> None:
         """Close every engine (a worker still busy, after Ctrl-C say, gets `runtime.stop_grace_s`, and

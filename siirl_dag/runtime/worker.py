@@ -12,14 +12,15 @@ import resource
 import socket
 import time
 import traceback
-from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from siirl_dag import console
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
+from siirl_dag.strategies.engines import TrainerEngine
+from siirl_dag.weight_sync.rank import SyncRank
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class NodeError(RuntimeError):
         return NodeError, (self.node, self.rank, self.host, self.detail)
 
 
-class RankWorker:
+class RankWorker(SyncRank):
+    """The weight flow's calls (`address`, `open_pipe`, `send_weights`, ...) are `SyncRank`'s."""
+
     def __init__(self, group: str, rank: int, world_size: int, device: str = "cpu", threads: int = 1,
                  log_dir: str | None = None):
         """`log_dir`: the run's log folder; a rank process (not the driver, quiet already) logs to a
@@ -70,20 +73,9 @@ class RankWorker:
         self.roles: dict[str, RoleSpec] = {}
         self.engines: dict[str, Any] = {}
         self.active: str | None = None  # the engine that holds the device now (hybrid engine)
-        self.pipes: dict[str, Any] = {}  # weight-sync pipes by name (see open_pipe)
+        self.pipes: dict[str, Any] = {}  # weight-sync pipes by name (SyncRank.open_pipe)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def address(self) -> tuple[str, int]:
-        """This host's address and a free port, for rank 0 to host the process-group rendezvous.
-        Ray's node address, reachable from the cluster's other machines (a host name may resolve to
-        a loopback address there); one process without Ray rendezvouses with itself."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), port
-
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         import torch.distributed as dist
 
@@ -148,70 +140,22 @@ class RankWorker:
         self.engines[key].onload()
         self.active = key
 
-    # -- weight sync: the calls a weight_sync.path.SyncPath makes (weight_sync.stream holds the logic) --
-    def open_pipe(self, name: str, make: Callable[[], Any]) -> Any:
-        """Make a pipe here (`make` runs on this rank) and keep it under `name` from sync to sync.
-        Returns it if other members may hold it too (a shared-memory channel, for its readers)."""
-        self.pipes[name] = pipe = make()
-        return pipe if getattr(pipe, "shared", False) else None
+    # -- checkpoints and export (trainer/loop.py, through Runtime.engine_call) ----------------------
+    def save_checkpoint(self, engine_key: str, folder: str) -> None:
+        engine: TrainerEngine = self.engines[engine_key]
+        engine.save_checkpoint(folder)
 
-    def close_pipe(self, name: str) -> None:
-        """The pipe failed a sync or its pair was replaced: free this end (buffers, a group's sockets)."""
-        pipe = self.pipes.pop(name, None)
-        if pipe is not None:
-            with suppress(Exception):  # a channel the driver closed already
-                pipe.close()
+    def load_checkpoint(self, engine_key: str, folder: str) -> None:
+        engine: TrainerEngine = self.engines[engine_key]
+        engine.load_checkpoint(folder)
 
-    def node_id(self) -> str:
-        import ray
+    def save_adapters(self, engine_key: str, folder: str) -> None:
+        engine: TrainerEngine = self.engines[engine_key]
+        engine.save_adapters(folder)
 
-        return ray.get_runtime_context().get_node_id()
-
-    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool, payload: str) -> dict:
-        """The trainer's rank 0: its export (the model, or its adapters) into the pipe, bucket by bucket
-        (fingerprinted if `verify`)."""
-        from siirl_dag.weight_sync import stream
-
-        self._activate(engine_key)
-        return stream.send(self.engines[engine_key], self.pipes[pipe], bucket_bytes, verify, payload)
-
-    def walk_export(self, engine_key: str, payload: str) -> None:
-        """The other trainer ranks: take part in the export's collectives."""
-        from siirl_dag.weight_sync import stream
-
-        self._activate(engine_key)
-        stream.walk(self.engines[engine_key], payload)
-
-    def receive_weights(self, engine_key: str, version: int, pipe: str, verify: bool, payload: str) -> dict:
-        """A rollout rank: the pipe's buckets into one load of its engine, checked if `verify`, stamped `version`."""
-        from siirl_dag.weight_sync import stream
-
-        self._activate(engine_key)
-        return stream.receive(self.engines[engine_key], self.pipes[pipe], version, verify, payload)
-
-    def handoff_weights(self, src_key: str, dst_key: str, version: int, payload: str) -> dict:
-        """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives
-        the device up first), load it from the trainer in memory, then free the trainer."""
-        from siirl_dag.weight_sync import stream
-
-        if self.active not in (None, src_key, dst_key):
-            self.engines[self.active].offload()
-        for key in (src_key, dst_key):
-            if key != self.active:
-                self.engines[key].onload()
-        stats = stream.handoff(self.engines[src_key], self.engines[dst_key], version, payload)
-        self.engines[src_key].offload()
-        self.active = dst_key
-        return stats
-
-    def probe_logprobs(self, engine_key: str, batch: dict) -> Any:
-        """The engine's log-probs of a fixed batch (runtime.probe: verified sync's probe)."""
-        self._activate(engine_key)
-        return self.engines[engine_key].probe_logprobs(batch)
-
-    def call_engine(self, engine_key: str, method: str, *args, **kwargs):
-        """Direct engine calls the driver makes outside nodes (weight sync, checkpoints)."""
-        return getattr(self.engines[engine_key], method)(*args, **kwargs)
+    def save_hf(self, engine_key: str, folder: str) -> None:
+        engine: TrainerEngine = self.engines[engine_key]
+        engine.save_hf(folder)
 
     def pid(self) -> int:
         return os.getpid()

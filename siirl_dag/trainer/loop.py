@@ -257,6 +257,8 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self) -> Path:
+        from siirl_dag.runtime.worker import RankWorker
+
         state = {"step": self.step, "loader": self.loader.state_dict(), "versions": self.rt.versions,
                  "synced": self.rt.synced, "models": self.models, "in_flight": []}
 
@@ -264,9 +266,9 @@ class Trainer:
             if self.ahead:
                 state["in_flight"] = in_flight.save(folder, list(self.ahead.queue), self.rt.backend.fetch)
             for node in self.trainers:
-                self.rt.engine_call(node, "save_checkpoint", str((folder / node).resolve()))
+                self.rt.engine_call(node, RankWorker.save_checkpoint, str((folder / node).resolve()))
                 if self.pipe.models[self.pipe.nodes[node].model].lora:  # the adapters, as vLLM and peft load them
-                    self.rt.engine_call(node, "save_adapters", str((folder / f"{node}.lora").resolve()))
+                    self.rt.engine_call(node, RankWorker.save_adapters, str((folder / f"{node}.lora").resolve()))
 
         return checkpoint.save(self.ckpt_dir, self.step, state, write_engines, self.pipe.trainer.max_ckpt_to_keep)
 
@@ -276,11 +278,13 @@ class Trainer:
         fails as one line."""
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+        from siirl_dag.runtime.worker import RankWorker
+
         path = self.resume.path
         for node in self.trainers:
             folder = (path / node).resolve()
             try:
-                rt.engine_call(node, "load_checkpoint", str(folder))
+                rt.engine_call(node, RankWorker.load_checkpoint, str(folder))
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a checkpoint the engine cannot load
                 raise PipelineError(f"resuming from {path}: node '{node}' could not load {folder} ({_last_line(exc)}); "
                                     "expected an intact checkpoint of this model: remove it (auto resumes from the "
@@ -292,7 +296,9 @@ class Trainer:
         """Into the final step's checkpoint folder (as verl does), as <node>.hf beside the node's engine
         checkpoint (no node id has a dot): the folder is this run's alone, so two runs never export
         over each other, and the export sits beside the state it came from."""
+        from siirl_dag.runtime.worker import RankWorker
+
         for node in self.trainers:
             folder = (checkpoint_folder / f"{node}.hf").resolve()
-            self.rt.engine_call(node, "save_hf", str(folder))
+            self.rt.engine_call(node, RankWorker.save_hf, str(folder))
             self.progress(f"[trainer] exported {node} as Hugging Face safetensors to {folder}")

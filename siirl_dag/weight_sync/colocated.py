@@ -4,7 +4,7 @@ no bucket, no pipe, no copy but the loader's own."""
 
 from __future__ import annotations
 
-from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Placed, wait_all
 
 
@@ -14,7 +14,7 @@ class Colocated:
 
     def sync(self, version: int) -> dict:
         pair, backend = self.pair, self.pair.backend
-        calls = [backend.call(worker, RankWorker.handoff_weights, src, dst, version, pair.payload)
+        calls = [backend.call(worker, SyncRank.handoff_weights, src, dst, version, pair.payload)
                  for (worker, src), (_, dst) in zip(pair.trainer_ranks, pair.rollout_ranks)]
         return dict(wait_all(backend, calls)[0])
 

@@ -1,7 +1,7 @@
 """Verified sync (runtime.verify_sync, on by default): `SAMPLES` values of every tensor, sampled where
 the trainer sends it and where the rollout's loader takes it (a gather, not a pass over its bytes). A
 tensor missing, unexpected or changed fails the sync naming it; the rollout then refuses to generate
-until a sync succeeds. What the engines then compute with is the runtime's probe (`runtime.probe`)."""
+until a sync succeeds. What the engines then compute with is the probe's (`probe`)."""
 
 from __future__ import annotations
 

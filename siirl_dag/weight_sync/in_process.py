@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Streamed
 
 
@@ -16,5 +16,5 @@ class LocalPipe(deque):
 class InProcess(Streamed):
     def _open(self) -> LocalPipe:
         pipe, backend = LocalPipe(), self.pair.backend
-        backend.get([backend.call(worker, RankWorker.open_pipe, self.name, lambda: pipe) for worker in self.members])
+        backend.get([backend.call(worker, SyncRank.open_pipe, self.name, lambda: pipe) for worker in self.members])
         return pipe

@@ -14,7 +14,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.rank import SyncRank
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,10 @@ class Streamed:
     def sync(self, version: int) -> dict:
         pair, backend = self.pair, self.pair.backend
         (keeper, key), walkers = pair.trainer_ranks[0], pair.trainer_ranks[1:]
-        calls = [backend.call(w, RankWorker.walk_export, k, pair.payload) for w, k in walkers]
-        calls.append(backend.call(keeper, RankWorker.send_weights, key, self.name, pair.bucket_bytes, pair.verify,
+        calls = [backend.call(w, SyncRank.walk_export, k, pair.payload) for w, k in walkers]
+        calls.append(backend.call(keeper, SyncRank.send_weights, key, self.name, pair.bucket_bytes, pair.verify,
                                   pair.payload))
-        calls += [backend.call(w, RankWorker.receive_weights, k, version, self.name, pair.verify, pair.payload)
+        calls += [backend.call(w, SyncRank.receive_weights, k, version, self.name, pair.verify, pair.payload)
                   for w, k in pair.rollout_ranks]
         results = wait_all(backend, calls)
         stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
@@ -94,4 +94,4 @@ class Streamed:
             with suppress(Exception):
                 self.closer.close()
         for worker in self.members:
-            self.pair.backend.call(worker, RankWorker.close_pipe, self.name)
+            self.pair.backend.call(worker, SyncRank.close_pipe, self.name)

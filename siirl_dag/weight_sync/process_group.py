@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Streamed
 
 
@@ -107,8 +107,8 @@ class SyncGroup:
 class ProcessGroup(Streamed):
     def _open(self) -> None:
         backend, members = self.pair.backend, self.members
-        address, port = backend.get(backend.call(members[0], RankWorker.address))
-        backend.get([backend.call(w, RankWorker.open_pipe, self.name,
+        address, port = backend.get(backend.call(members[0], SyncRank.address))
+        backend.get([backend.call(w, SyncRank.open_pipe, self.name,
                                   functools.partial(SyncGroup, address, port, rank, len(members), self.pair.device))
                      for rank, w in enumerate(members)])
         return None  # each member's close tears its group down

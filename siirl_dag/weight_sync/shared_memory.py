@@ -23,7 +23,7 @@ import torch
 
 from siirl_dag.leftovers import RAY_SEMAPHORES, sweep_dead
 from siirl_dag.runtime.batch import tensor_from_wire, tensor_to_wire
-from siirl_dag.runtime.worker import RankWorker
+from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Streamed
 from siirl_dag.weight_sync.stream import nbytes
 
@@ -35,7 +35,7 @@ FIRST_BYTES = 2**20  # a buffer's size until a bucket needs more
 class ChannelPipe:
     """One writer (the trainer's rank 0), one or more readers (the rollout ranks), on one machine."""
 
-    shared = True  # RankWorker.open_pipe hands it back, for the driver to give the readers
+    shared = True  # SyncRank.open_pipe hands it back, for the driver to give the readers
 
     def __init__(self, channel: Any):
         self.channel = channel
@@ -92,8 +92,8 @@ def _view(t: torch.Tensor) -> torch.Tensor:
 class SharedMemory(Streamed):
     def _open(self) -> ChannelPipe:
         backend, (keeper, *readers) = self.pair.backend, self.members
-        nodes = backend.get([backend.call(w, RankWorker.node_id) for w in readers])
+        nodes = backend.get([backend.call(w, SyncRank.node_id) for w in readers])
         make = functools.partial(ChannelPipe.create, list(zip(readers, nodes)))
-        channel = backend.get(backend.call(keeper, RankWorker.open_pipe, self.name, make))
-        backend.get([backend.call(w, RankWorker.open_pipe, self.name, channel.reader) for w in readers])
+        channel = backend.get(backend.call(keeper, SyncRank.open_pipe, self.name, make))
+        backend.get([backend.call(w, SyncRank.open_pipe, self.name, channel.reader) for w in readers])
         return channel

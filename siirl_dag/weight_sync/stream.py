@@ -1,4 +1,4 @@
-"""Each rank's side of a sync (`RankWorker.send_weights` / `walk_export` / `receive_weights` /
+"""Each rank's side of a sync (`rank.SyncRank.send_weights` / `walk_export` / `receive_weights` /
 `handoff_weights`): the trainer's HF-named export (a collective walk yielding a layer's full tensors
 at a time), in buckets pulled only as far as the next needs, through a pipe that holds one or two,
 into the rollout engine. A pipe (`ChannelPipe`, `SyncGroup`, `LocalPipe`: `write`, `read`, `close`)
@@ -14,9 +14,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from siirl_dag.strategies.engines import Named, RolloutEngine, TrainerEngine
 from siirl_dag.weight_sync.fingerprints import Fingerprints
-
-Named = tuple[str, torch.Tensor]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -36,7 +35,7 @@ class Aborted:
         return RuntimeError(f"the trainer's weight export failed: {self.reason}")
 
 
-def exported(engine: Any, stats: dict, payload: str, first_rank_only: bool = True) -> Iterator[Named]:
+def exported(engine: TrainerEngine, stats: dict, payload: str, first_rank_only: bool = True) -> Iterator[Named]:
     """The trainer engine's HF export of the model (adapters merged in) or of its adapters alone (`payload`;
     views where no conversion is needed), timed into `stats`:
     sync/convert_s into HF's layout (split fused q/k/v, gate/up), sync/gather_s the rest (TP/EP shards,
@@ -83,7 +82,7 @@ class Buckets:
         return bucket
 
 
-def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool, payload: str) -> dict:
+def send(engine: TrainerEngine, pipe: Any, bucket_bytes: int, verify: bool, payload: str) -> dict:
     """The trainer's rank 0: every bucket of its export into `pipe`, then the `End`. sync/send_s is the
     time spent writing (including any wait for a slower reader), sync/fingerprint_s the sampling."""
     stats: dict = {"sync/send_s": 0.0, "sync/fingerprint_s": 0.0}
@@ -108,13 +107,13 @@ def send(engine: Any, pipe: Any, bucket_bytes: int, verify: bool, payload: str) 
     return stats
 
 
-def walk(engine: Any, payload: str) -> None:
+def walk(engine: TrainerEngine, payload: str) -> None:
     """Every trainer rank but the first: take part in the export's collectives, keeping nothing."""
     for _ in exported(engine, {}, payload):
         pass
 
 
-def receive(engine: Any, pipe: Any, version: int, verify: bool, payload: str) -> dict:
+def receive(engine: RolloutEngine, pipe: Any, version: int, verify: bool, payload: str) -> dict:
     """A rollout rank: the pipe's buckets into one load of `engine`, stamped `version` once the `End`
     has come and, if `verify`, its fingerprints match (sync/verify_s: sampling and comparing). If the
     engine fails, the rest of the stream is still read, so the trainer finishes."""
@@ -155,7 +154,7 @@ def receive(engine: Any, pipe: Any, version: int, verify: bool, payload: str) ->
     return stats
 
 
-def handoff(src_engine: Any, dst_engine: Any, version: int, payload: str) -> dict:
+def handoff(src_engine: TrainerEngine, dst_engine: RolloutEngine, version: int, payload: str) -> dict:
     """Colocated meshes: the rollout engine loads straight from the trainer engine's export, tensors by
     reference; the export is walked to its end whatever happens (the other trainer ranks take part in
     its collectives)."""

@@ -24,6 +24,7 @@ from siirl_dag.strategies.base import MiniBatchTotals, RankContext, Strategy
 from siirl_dag.strategies.megatron import (batching, checkpoint, context_parallel, hf_convert, logprobs, lora, memory,
                                            offload, options, optim, routing_replay)
 from siirl_dag.strategies.megatron import model as model_lib
+from siirl_dag.strategies.megatron.spec import keywords
 
 log = logging.getLogger(__name__)
 # loss_fn(logprobs [b,R], entropy [b,R] | None, micro batch, totals) -> (this micro batch's share of the
@@ -72,7 +73,7 @@ class MegatronEngine(Strategy):
         recompute = o["recompute_granularity"]
         kw = dict(
             shape,
-            **m.megatron_kwargs(),
+            **keywords(m),
             sequence_parallel=o["sequence_parallel"] and m.tp > 1,
             params_dtype=dtype,
             pipeline_dtype=dtype,

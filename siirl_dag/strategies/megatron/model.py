@@ -13,6 +13,7 @@ from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.strategies.megatron import cpu_compat, lora
 from siirl_dag.strategies.megatron.hf_config import HFSpec, read_hf_config, transformer_config_kwargs
 from siirl_dag.strategies.megatron.hf_convert import load_hf
+from siirl_dag.strategies.megatron.spec import keywords
 
 
 def init_parallel(mesh: ParallelDims, seed: int) -> None:
@@ -29,7 +30,7 @@ def init_parallel(mesh: ParallelDims, seed: int) -> None:
             raise ConfigError(f"this process already holds a megatron mesh (tp,pp,cp,ep)={have}; "
                               f"expected the same for every megatron node it hosts, got {mesh}")
     else:
-        ps.initialize_model_parallel(**mesh.megatron_kwargs())
+        ps.initialize_model_parallel(**keywords(mesh))
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

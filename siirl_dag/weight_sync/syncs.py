@@ -1,14 +1,16 @@
-"""The driver's side of weight sync: each `weights_from` consumer brought to its trainer's latest
-version along its route (`weight_sync.routes`), through the SyncPath made at its first sync, with the
-probe (runtime.verify_probe_every) when it is due."""
+"""The driver's side of weight sync (`Runtime.weight_syncs`): each `weights_from` consumer brought to its
+trainer's latest version along its route (`routes`), through the SyncPath made at its first sync, with
+the probe (`probe`, every runtime.verify_probe_every syncs) when it is due."""
 
 from __future__ import annotations
 
 import time
 
 from siirl_dag.errors import PipelineError
-from siirl_dag.runtime.worker import RankWorker
-from siirl_dag.weight_sync.routes import routes
+from siirl_dag.weight_sync import probe
+from siirl_dag.weight_sync.rank import SyncRank
+from siirl_dag.weight_sync.path import Placed
+from siirl_dag.weight_sync.routes import TABLE, routes
 
 NOT_SYNCED = -1  # a weights_from consumer's version before it got any weights from its trainer
 
@@ -67,7 +69,7 @@ class WeightSyncs:
         return metrics
 
     def _one(self, src: str, dst: str, version: int) -> dict:
-        """One pair's sync through its path, with the probe (runtime.probe) when it is due: the trainer's
+        """One pair's sync through its path, with the probe (`probe`) when it is due: the trainer's
         side first, while a colocated trainer still holds the device."""
         path = self.paths.get(dst) or self._path(dst)
         every, vocab = self.rt.pipe.runtime.verify_probe_every, self.probe_vocab[dst]
@@ -83,17 +85,13 @@ class WeightSyncs:
         return stats
 
     def _probe(self, node: str, vocab: int) -> list:
-        """Every rank's log-probs of the fixed probe batch (runtime.probe), on `node`'s engine."""
-        from siirl_dag.runtime.probe import probe_batch
-
-        batch = probe_batch(vocab)
-        return self.rt.backend.get([self.rt.backend.call(w, RankWorker.probe_logprobs, role.engine_key, batch)
+        """Every rank's log-probs of the fixed probe batch (`probe`), on `node`'s engine."""
+        batch = probe.probe_batch(vocab)
+        return self.rt.backend.get([self.rt.backend.call(w, SyncRank.probe_logprobs, role.engine_key, batch)
                                  for w, role in self.rt.roles[node]])
 
     def _check_probe(self, src: str, dst: str, trainer: list, vocab: int) -> float:
         """Every rollout rank's probe against the trainer's (its first rank's: all hold the whole batch)."""
-        from siirl_dag.runtime import probe
-
         nodes = self.rt.pipe.nodes
         float32 = not nodes[src].options.get("bf16") and nodes[dst].options.get("dtype") == "float32"
         return max(probe.check(trainer[0], rollout, float32) for rollout in self._probe(dst, vocab))
@@ -101,8 +99,6 @@ class WeightSyncs:
     def _path(self, dst: str):
         """The SyncPath of `dst`'s route, over the ranks as they run now."""
         from siirl_dag.registry import import_ref
-        from siirl_dag.weight_sync.path import Placed
-        from siirl_dag.weight_sync.routes import TABLE
 
         src, runtime = self.rt.pipe.nodes[dst].weights_from, self.rt.pipe.runtime
         placed = Placed(src, dst, self.rt.backend, [(w, r.engine_key) for w, r in self.rt.roles[src]],

@@ -1,5 +1,5 @@
 """Verified sync's second half (runtime.verify_sync, every runtime.verify_probe_every syncs of a pair):
-what the engines compute with after a sync. The trainer and every rollout rank compute the log-probs
+what the engines compute with after a sync (`syncs.WeightSyncs`). The trainer and every rollout rank compute the log-probs
 of a fixed batch of tokens (`probe_batch`), which must agree (`check`): whatever path the weights
 took, a colocated handoff included, which has nothing in transit to sample. It sees what a check of
 the tensors cannot: a kernel that reads another copy of the weights, experts left in a stale layout.

@@ -126,7 +126,7 @@ def test_a_batch_older_than_the_bound_is_refused(tmp_path):
     assert ("update", 1) not in EVENTS
 
 
-@pytest.mark.parametrize("schedule", ["sync"])
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off", "async"])
 def test_dynamic_sampling_fills_each_step_under_every_schedule(tmp_path, schedule):
     """Half the prompts are kept: two rounds of 4 fill a step of 4 prompts (8 rows)."""
     pipe = pipeline(tmp_path, FILTERED, f"runtime.schedule={schedule}", "runtime.staleness=2")
@@ -144,7 +144,7 @@ def test_dynamic_sampling_fills_each_step_under_every_schedule(tmp_path, schedul
         assert outcomes[1].metrics["async/staleness/max"] == 1
 
 
-@pytest.mark.parametrize("schedule", ["sync"])
+@pytest.mark.parametrize("schedule", ["sync", "one_step_off"])
 def test_dynamic_sampling_that_cannot_fill_a_step_stops(tmp_path, schedule):
     pipe = pipeline(tmp_path, FILTERED.replace("max_gen_batches: 3", "max_gen_batches: 3, none: true"),
                     f"runtime.schedule={schedule}")

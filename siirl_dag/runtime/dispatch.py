@@ -210,8 +210,11 @@ class Runtime:
         dp = roles[0][1].dp_size
         trains = pipe.kinds[node_id].trains
         ranges = equal_ranges(space.rows, dp) if trains else balanced_ranges(space.tokens, dp)
-        # seeded per data-parallel rank: the ranks of one tensor-parallel engine must draw the same samples
-        seed_base = (pipe.trainer.seed * 1_000_003 + step * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
+        # seeded per data-parallel rank: the ranks of one tensor-parallel engine must draw the same samples;
+        # and by the steps trained before the job, so that a seed draws what it drew before steps were
+        # numbered from 1 everywhere (`runtime.step`)
+        trained = step if validating else step - 1
+        seed_base = (pipe.trainer.seed * 1_000_003 + trained * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
         src = pipe.nodes[node_id].weights_from
         min_version = max(0, self.versions[src] - pipe.runtime.staleness) if src else 0
         calls, ranks = [], []

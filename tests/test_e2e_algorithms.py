@@ -72,8 +72,9 @@ def test_shipped_dapo_runs_one_step_off_through_ray(tmp_path, tiny_model_dir, de
                  f"data.val_files={demo_data}/test.parquet", "data.train_batch_size=8", "trainer.total_steps=3",
                  "trainer.save_freq=2", "trainer.logger=[tensorboard]", f"trainer.default_local_dir={tmp_path}/ckpt",
                  f"trainer.tensorboard_dir={tmp_path}/tb", f"trainer.log_dir={tmp_path}/logs",
+                 "nodes.actor_update.params.mini_batch_size=8", "runtime.schedule=one_step_off", *QUICK,
                  # the tiny random model never answers right: its rewards differ by the overlong penalty alone
-                 "nodes.filter.params.metric=token_level_rewards", "runtime.schedule=one_step_off", *QUICK]
+                 "nodes.filter.params.metric=token_level_rewards"]
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "graphs/tiny_dapo_cpu.yaml", "--json", *overrides],
                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
     steps = parsed(res)["steps"]

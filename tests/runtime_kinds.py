@@ -89,22 +89,30 @@ def t_update(batch, ctx):
 EVENTS: list = []  # what ran, in order, in this process (the local backend): test_schedules reads it
 
 
-@node_kind("t_rollout", consumes=("raw_prompt",), produces=("x", "weights_version", "token_weights_version"),
-           strategies=("megatron",))
+@node_kind("t_rollout", consumes=("raw_prompt",), produces=("x", "weights_version", "token_weights_version",
+                                                            "finish_reason"), strategies=("megatron",), resumes=True)
 def t_rollout(batch, ctx):
-    """Stands in for a rollout: n rows per prompt (x as t_expand's), stamped with the version its engine holds."""
+    """Stands in for a rollout: n rows per prompt (x as t_expand's), stamped with the version its engine holds.
+    Samples of two tokens: in segments (ctx.segment_tokens) the first cuts them short, the second ends them."""
     n, v = ctx.params.get("n", 1), ctx.engine.weights_version
-    EVENTS.append(("gen", ctx.step, v))
+    EVENTS.append(("gen", ctx.step, v) if not ctx.resuming else ("resume", ctx.step, v))
+    if ctx.resuming:
+        tokens = batch["token_weights_version"].clone()
+        tokens[:, 1] = v
+        return dict(batch.merge({"token_weights_version": tokens, "finish_reason": ["stop"] * batch.num_rows}))
     index = torch.arange(batch.num_rows).repeat_interleave(n)
     x = torch.tensor([int(batch["raw_prompt"][j].split()[-1]) * 100 + i % n for i, j in enumerate(index.tolist())])
     rows = len(index)
     return ctx.expand(index, {"x": x.float(), "weights_version": torch.full((rows,), v),
-                              "token_weights_version": torch.full((rows, 2), v)})
+                              "token_weights_version": torch.full((rows, 2), v),
+                              "finish_reason": ["partial" if ctx.segment_tokens else "stop"] * rows})
 
 
-@node_kind("t_keep", consumes=("x", "uid"), produces=("keep",), filters_rows=True)
+@node_kind("t_keep", consumes=("x", "uid", "finish_reason"), produces=("keep",), filters_rows=True)
 def t_keep(batch, ctx):
     """Stands in for filter_groups: keeps the rows of the even-numbered prompts (none with `none: true`)."""
+    assert "partial" not in batch["finish_reason"], "the filter saw samples cut short"
+    EVENTS.append(("keep", ctx.step))
     keep = (batch["x"] // 100 % 2 == 0) & (not ctx.params.get("none", False))
     return {"keep": keep.long()}
 

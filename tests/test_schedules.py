@@ -151,3 +151,14 @@ def test_dynamic_sampling_that_cannot_fill_a_step_stops(tmp_path, schedule):
     with pytest.raises(PipelineError, match="step 1: dynamic sampling kept 0 of the 4 prompts a step needs after 3 "
                                             "generation rounds"):
         train(pipe, 1)
+
+
+def test_dynamic_sampling_with_partial_rollouts_filters_whole_samples(tmp_path):
+    """Each round: the rollout's two segments (new weights may come between them), then the filter."""
+    pipe = pipeline(tmp_path, FILTERED, "runtime.schedule=one_step_off", "runtime.partial_rollout=true",
+                    "runtime.partial_rollout_tokens=1")
+    outcomes = train(pipe, 2)
+    assert [e for e in EVENTS if e[0] != "sync" and e[1] == 1] == [("gen", 1, 0), ("resume", 1, 0), ("keep", 1)] * 2 + \
+        [("update", 1)]
+    assert [o.metrics["async/partial/segments"] for o in outcomes] == [6, 6]  # 2 rounds x (2 segments + the filter)
+    assert all((o.result.metrics["update/rows"], o.metrics["dynamic_sampling/rounds"]) == (8, 2) for o in outcomes)

@@ -71,10 +71,6 @@ def problems(pipe) -> list[Problem]:
     if not any(n.weights_from for n in pipe.nodes.values()):
         out.append(Problem(("runtime", "schedule"), f"{rt.schedule} runs the rollouts ahead, and no node takes "
                            "weights from a trainer (weights_from); expected schedule sync"))
-    if rt.partial_rollout and any(pipe.kinds[n].filters_rows for n in pipe.nodes):
-        out.append(Problem(("runtime", "partial_rollout"), "partial rollouts with dynamic sampling (a node that "
-                           "filters rows) are not built yet: the filter would see samples cut short; expected "
-                           "partial_rollout: false"))
     if pipe.plan is None:
         return out
     devices = lambda ids: {d for n in ids if pipe.nodes[n].mesh for d in pipe.plan.meshes[pipe.nodes[n].mesh].devices}  # noqa: E731

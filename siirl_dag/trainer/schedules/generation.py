@@ -4,8 +4,9 @@ batch `step` on the generating nodes, one at a time, and takes back their result
 - under partial rollouts, a job per segment while some samples are cut short (`PARTIAL`), each
   continuing the rollouts that cut them;
 - with a node that filters rows (dynamic sampling), a round of the filter and its ancestors on new
-  prompts per job until the kept rows fill the batch (`dynamic_sampling.Kept`), then the other
-  generating nodes, if any, on those rows.
+  prompts per job (under partial rollouts: the rollouts' segments, then the rest of the round)
+  until the kept rows fill the batch (`dynamic_sampling.Kept`), then the other generating nodes,
+  if any, on those rows.
 What comes out (`Generated`) is what the training side's job starts from.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+import networkx as nx
 
 from siirl_dag.dataflow import SOURCE
 from siirl_dag.graph import Phases
@@ -40,12 +43,18 @@ class Generation:
         self.kept = Kept(rt, phases, rt.pipe.data.train_batch_size, step) if phases and phases.filter in self.nodes \
             else None
         self.first = phases.first if self.kept else self.nodes  # what each round runs
+        # under partial rollouts a round's rollouts (with their ancestors) finish their samples, segment
+        # after segment, before the rest of the round (the reward, the filter) reads them
+        rolled = [n for n in self.rollouts if n in self.first] if self.kept and self.segment else []
+        self.rolling = self.first & frozenset(rolled).union(*(nx.ancestors(rt.pipe.graph, n) for n in rolled)) \
+            if rolled else self.first
         self.metrics: dict = {}  # of every job so far, the later's first
         self.jobs = 0
         self.result: StepResult | None = None  # once generated
         self.rounding = self.kept is not None  # dynamic sampling's rounds still running
+        self.scoring = False  # the rest of a round running, after its rollouts (`rolling`)
         # the next job: (nodes, a new batch of prompts or the given rows, the outputs it continues)
-        self._next: tuple | None = (self.first, None, None)
+        self._next: tuple | None = (self.rolling, None, None)
 
     @property
     def done(self) -> bool:
@@ -65,9 +74,13 @@ class Generation:
         cut = [n for n in self.rollouts if self.segment and n in result.outputs and PARTIAL in self._reasons(result, n)]
         if cut:  # the next segment: the cut rollouts continue their samples
             self._next = (cut, None, result)
+        elif self.rounding and not self.scoring and self.rolling != self.first:
+            self.scoring = True  # the rest of the round, on whole samples
+            self._next = (self.first - self.rolling, None, result)
         elif self.rounding:
+            self.scoring = False
             if not self.kept.add(result):
-                self._next = (self.first, None, None)
+                self._next = (self.rolling, None, None)
                 return
             self.rounding = False
             self.metrics.update(self.kept.metrics())

@@ -8,7 +8,7 @@
 - The policy each node serves: a pipeline that trains several policies prefixes each node's
   metrics with it (`<policy>/actor/pg_loss`); with one, verl's names stay as they are.
 
-The runtime follows the same rules (`runtime.driver.Runtime.dispatch`), so what `validate` accepts
+The runtime follows the same rules (`runtime.dispatch.Runtime.dispatch`), so what `validate` accepts
 is what a step reads.
 """
 

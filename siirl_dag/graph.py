@@ -93,7 +93,8 @@ def topological_order(graph: nx.DiGraph) -> list[str]:
 
 @dataclass(frozen=True)
 class Phases:
-    """A pipeline with a node that filters rows (dynamic sampling, trainer/refill.py) runs in two phases."""
+    """A pipeline with a node that filters rows (dynamic sampling, trainer/schedules/dynamic_sampling.py)
+    runs in two phases, under every schedule."""
 
     filter: str
     first: frozenset  # the filter and its ancestors: run once per generation round

@@ -36,7 +36,8 @@ class NodeKind:
     # prompt_lengths(node, pipeline, dataset) -> [int]; data.filter_overlong_prompts drops by it
     prompt_lengths: Callable[..., list[int]] | None = None
     # it filters rows: its output `keep` (one flag per row) marks the rows the step trains on, and the
-    # driver re-runs it and its ancestors on more prompts until the step is full (trainer/refill.py);
+    # schedule re-runs it and its ancestors on more prompts until the step is full (any schedule:
+    # trainer/schedules/dynamic_sampling.py);
     # its params carry `max_gen_batches`, the rounds a step may take
     filters_rows: bool = False
     # it continues its own output when run on it (NodeContext.resuming): the segments of a partial rollout

@@ -15,9 +15,13 @@ class EchoEngine(Strategy):
     """Stands in for a strategy: the runtime tests check scheduling and data flow, not models."""
 
     name = "echo"
+    weights_version = 0  # the version a stand-in weight sync gave it (test_schedules)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def hold(self, version: int) -> None:
+        self.weights_version = version
 
 
 class BrokenEngine(Strategy):
@@ -76,7 +80,41 @@ def t_flaky(batch, ctx):
 @node_kind("t_update", consumes=("x",), produces=(), strategies=("megatron",), trains=True)
 def t_update(batch, ctx):
     """Stands in for an actor update: the driver counts its weight versions."""
+    EVENTS.append(("update", ctx.step))
+    ctx.metrics["update/rows"] = batch.num_rows
+    ctx.metrics["update/uids"] = sorted(set(batch["uid"]), key=int) if "uid" in batch else []
     return {}
+
+
+EVENTS: list = []  # what ran, in order, in this process (the local backend): test_schedules reads it
+
+
+@node_kind("t_rollout", consumes=("raw_prompt",), produces=("x", "weights_version", "token_weights_version",
+                                                            "finish_reason"), strategies=("megatron",), resumes=True)
+def t_rollout(batch, ctx):
+    """Stands in for a rollout: n rows per prompt (x as t_expand's), stamped with the version its engine holds.
+    Samples of two tokens: in segments (ctx.segment_tokens) the first cuts them short, the second ends them."""
+    n, v = ctx.params.get("n", 1), ctx.engine.weights_version
+    EVENTS.append(("gen", ctx.step, v) if not ctx.resuming else ("resume", ctx.step, v))
+    if ctx.resuming:
+        tokens = batch["token_weights_version"].clone()
+        tokens[:, 1] = v
+        return dict(batch.merge({"token_weights_version": tokens, "finish_reason": ["stop"] * batch.num_rows}))
+    index = torch.arange(batch.num_rows).repeat_interleave(n)
+    x = torch.tensor([int(batch["raw_prompt"][j].split()[-1]) * 100 + i % n for i, j in enumerate(index.tolist())])
+    rows = len(index)
+    return ctx.expand(index, {"x": x.float(), "weights_version": torch.full((rows,), v),
+                              "token_weights_version": torch.full((rows, 2), v),
+                              "finish_reason": ["partial" if ctx.segment_tokens else "stop"] * rows})
+
+
+@node_kind("t_keep", consumes=("x", "uid", "finish_reason"), produces=("keep",), filters_rows=True)
+def t_keep(batch, ctx):
+    """Stands in for filter_groups: keeps the rows of the even-numbered prompts (none with `none: true`)."""
+    assert "partial" not in batch["finish_reason"], "the filter saw samples cut short"
+    EVENTS.append(("keep", ctx.step))
+    keep = (batch["x"] // 100 % 2 == 0) & (not ctx.params.get("none", False))
+    return {"keep": keep.long()}
 
 
 @node_kind("t_liar", consumes=("x",), produces=("z",))

@@ -174,7 +174,8 @@ def test_a_rank_assembles_bound_keys_under_the_names_it_reads():
 def test_a_metric_two_nodes_write_is_never_lost():
     from types import SimpleNamespace
 
-    from siirl_dag.runtime.driver import Runtime, StepResult
+    from siirl_dag.runtime.dispatch import Runtime
+    from siirl_dag.runtime.step import StepResult
 
     said = []
     rt = SimpleNamespace(pipe=SimpleNamespace(metric_prefix=lambda n: "solver/" if n != "other" else "reviewer/"),

@@ -15,6 +15,7 @@ import pytest
 from siirl_dag.config import load_pipeline, schedule
 from siirl_dag.importers.roll_keys import parse_device_list
 from siirl_dag.errors import ConfigError, format_path
+from siirl_dag.graph import phases_of
 
 BASE = textwrap.dedent("""\
     name: t
@@ -787,8 +788,11 @@ def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
     colocated = BASE.replace("gen: vllm:d1", "gen: {alloc: 'vllm:d2', colocate_with: train}")
     (p,) = problems(tmp_path, colocated, ["runtime.schedule=one_step_off", "runtime.staleness=1"])
     assert p.path == ("nodes", 0, "mesh") and "shares devices [0, 1] with the training side" in p.message
-    (p,) = problems(tmp_path, FILTERED, ["runtime.schedule=one_step_off", "runtime.staleness=1"])
-    assert p.path == ("runtime", "schedule") and "with dynamic sampling" in p.message
+    # dynamic sampling: the filter and its ancestors generate ahead, round after round
+    filtered = load_pipeline(write(tmp_path, FILTERED), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
+    assert schedule.ahead_nodes(filtered) == {"rollout", "reward", "filter"} == phases_of(filtered).first
+    load_pipeline(write(tmp_path, FILTERED), ["runtime.schedule=async", "runtime.staleness=1",
+                                               "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=4"])
     pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
     assert pipe.runtime.schedule == "one_step_off"
 

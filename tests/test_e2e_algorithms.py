@@ -1,9 +1,11 @@
 """DAPO and GSPO as YAML, end to end through the real stack (vLLM rollout, Megatron actor, local
 runtime): dynamic sampling re-runs rollout -> reward -> filter until the step is full, and says so in
-one line when it cannot; GSPO with rollout importance weights and a straight-through KL trains."""
+one line when it cannot, under the sync schedule and under one_step_off (the shipped graph, on Ray);
+GSPO with rollout importance weights and a straight-through KL trains."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -60,3 +62,25 @@ def test_gspo_with_rollout_importance_weights_trains(tmp_path, tiny_model_dir, d
     assert m["actor/grad_norm"] > 0 and "actor/kl_loss" in m
     assert 0 < m["rollout_corr/rollout_is_mean"] <= 2.0 and m["rollout_corr/rollout_is_max"] <= 2.0
     assert math.isfinite(m["rollout_corr/kl"]) and m["rollout_corr/training_ppl"] > 1
+
+
+def test_shipped_dapo_runs_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):
+    """graphs/tiny_dapo_cpu.yaml under runtime.schedule=one_step_off: the rounds of rollout -> reward ->
+    filter of the next step run beside this step's update; the batch generated ahead at the checkpoint
+    (the kept rows) is saved with it."""
+    overrides = [f"models.policy.path={tiny_model_dir}", f"data.train_files={demo_data}/train.parquet",
+                 f"data.val_files={demo_data}/test.parquet", "data.train_batch_size=8", "trainer.total_steps=3",
+                 "trainer.save_freq=2", "trainer.logger=[tensorboard]", f"trainer.default_local_dir={tmp_path}/ckpt",
+                 f"trainer.tensorboard_dir={tmp_path}/tb", f"trainer.log_dir={tmp_path}/logs",
+                 "nodes.actor_update.params.mini_batch_size=8", "runtime.schedule=one_step_off", *QUICK,
+                 # the tiny random model never answers right: its rewards differ by the overlong penalty alone
+                 "nodes.filter.params.metric=token_level_rewards"]
+    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "graphs/tiny_dapo_cpu.yaml", "--json", *overrides],
+                         capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+    steps = parsed(res)["steps"]
+    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 1]
+    for m in steps.values():
+        assert 1 <= m["dynamic_sampling/rounds"] <= 6 and m["dynamic_sampling/kept_groups"] >= 8
+        assert m["actor/grad_norm"] > 0 and m["critic/advantages/max"] > 0 > m["critic/advantages/min"]
+    state = json.loads((tmp_path / "ckpt" / "global_step_2" / "trainer_state.json").read_text())
+    assert state["in_flight"] == [3]

@@ -68,8 +68,8 @@ def test_concurrent_branches_fan_out_and_order(tmp_path):
     assert torch.equal(s, x + 2 * x + 3 * x)  # fan-out: gen's x read by left, right and join
     (l0, l1), (r0, r1) = res.metrics["span/left"], res.metrics["span/right"]
     assert max(l0, r0) < min(l1, r1), "independent branches on disjoint meshes must overlap"
-    assert res.spans["gen"][1] <= min(res.spans["left"][0], res.spans["right"][0])
-    assert res.spans["join"][0] >= max(res.spans["left"][1], res.spans["right"][1])
+    assert res.span("gen").end <= min(res.span("left").start, res.span("right").start)
+    assert res.span("join").start >= max(res.span("left").end, res.span("right").end)
 
 
 def test_resharding_between_dp_sizes_with_uneven_rows(tmp_path):
@@ -215,8 +215,8 @@ def test_retry_restarts_a_dead_actor(tmp_path, retries):
 def test_a_batch_whose_process_dies_is_retried_while_another_batch_trains(tmp_path):
     """async: the generating side dies mid-batch while the training side works on an earlier batch;
     the retry rebuilds its mesh and re-runs it, and the update in flight is kept."""
-    from siirl_dag.runtime.driver import Job
-    from siirl_dag.runtime.jobs import Jobs
+    from siirl_dag.runtime.scheduler import Scheduler
+    from siirl_dag.runtime.step import Job
 
     pipe = pipeline(tmp_path, f"""
         meshes: {{a: "megatron:d1", b: "megatron:d1"}}
@@ -228,9 +228,9 @@ def test_a_batch_whose_process_dies_is_retried_while_another_batch_trains(tmp_pa
         """)
     with Runtime(pipe) as rt:
         first = rt.run_step(prompts(2), step=0, nodes={"gen"})
-        jobs = Jobs(rt)
-        training = jobs.submit(Job(None, 0, {"update"}, first))
-        generating = jobs.submit(Job(prompts(3), 1, {"gen", "flaky"}))
+        jobs = Scheduler(rt)
+        training = jobs.submit(Job(None, 1, {"update"}, first))
+        generating = jobs.submit(Job(prompts(3), 2, {"gen", "flaky"}))
         done = {}
         while not jobs.idle():
             done.update(jobs.wait())

@@ -18,7 +18,7 @@ import pytest
 from siirl_dag.config import load_pipeline
 from siirl_dag.main import main
 from siirl_dag.visualize import render
-from siirl_dag.visualize.diagram import DATA_NODE, STRATEGY_STYLES, edge_keys, refill_edge, weight_syncs
+from siirl_dag.visualize.diagram import DATA_NODE, STRATEGY_STYLES, dynamic_sampling_edge, edge_keys, weight_syncs
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = sorted(glob.glob(str(ROOT / "graphs" / "*.yaml")))
@@ -96,10 +96,10 @@ def test_svg_graph_has_every_node_edge_and_mesh(name):
         assert next(group.iter(f"{SVG}path")).get("stroke-dasharray")
         assert "weights (sync)" in " ".join(t.text for t in group.iter(f"{SVG}text"))
     dashed = {t for t, g in edge_groups.items() if next(g.iter(f"{SVG}path")).get("stroke-dasharray")}
-    refill = refill_edge(pipe)  # dynamic sampling: dashed from the filter back to the data
-    assert dashed == {f"{s}->{d}" for s, d in weight_syncs(pipe)} | ({f"{refill[0]}->{DATA_NODE}"} if refill else set())
-    if refill:
-        assert "more prompts until" in " ".join(t.text for t in edge_groups[f"{refill[0]}->{DATA_NODE}"].iter(f"{SVG}text"))
+    resampled = dynamic_sampling_edge(pipe)  # dynamic sampling: dashed from the filter back to the data
+    assert dashed == {f"{s}->{d}" for s, d in weight_syncs(pipe)} | ({f"{resampled[0]}->{DATA_NODE}"} if resampled else set())
+    if resampled:
+        assert "more prompts until" in " ".join(t.text for t in edge_groups[f"{resampled[0]}->{DATA_NODE}"].iter(f"{SVG}text"))
     assert set(clusters) == {f"cluster_{m}" for m in pipe.meshes}
     for m in pipe.meshes.values():  # a colocated mesh is drawn inside the mesh it shares devices with
         if m.colocate_with:

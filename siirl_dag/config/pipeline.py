@@ -173,7 +173,7 @@ class RuntimeSpec:
     address: str | None
     schedule: str  # sync | one_step_off | async (config.schedule)
     staleness: int
-    partial_rollout: bool  # generate in segments; weights may change between them (trainer/ahead.py)
+    partial_rollout: bool  # generate in segments; weights may change between them (trainer/schedules/overlapped.py)
     partial_rollout_tokens: int
     weight_sync_path: str  # auto, shared_memory or process_group (weight_sync.routes)
     verify_sync: bool

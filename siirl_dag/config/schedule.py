@@ -1,7 +1,8 @@
 """`runtime.schedule`: which part of a step runs ahead, how far, and what a schedule needs of the meshes.
 
-The rollouts (the nodes that take weights from a trainer) and their ancestors are the generating
-side; they run ahead of the rest, the training side, into a queue of generated batches:
+The rollouts (the nodes that take weights from a trainer) and their ancestors, and with dynamic
+sampling the filter and its ancestors, are the generating side; they run ahead of the rest, the
+training side, into a queue of generated batches:
 - one_step_off: one batch ahead, generated while the step before it trains; a sample trains one
   weight version after the one that generated it (runtime.staleness >= 1).
 - async: up to runtime.staleness batches ahead, as far as the bound lets the rollouts' weights lag
@@ -14,12 +15,16 @@ from __future__ import annotations
 import networkx as nx
 
 from siirl_dag.errors import Problem
+from siirl_dag.graph import phases_of
 
 
 def ahead_nodes(pipe) -> frozenset:
-    """The nodes that run ahead: every weights_from consumer and its ancestors."""
+    """The nodes that run ahead: every weights_from consumer and its ancestors, and with dynamic
+    sampling the filter and its ancestors (`graph.phases_of`: what each round re-runs)."""
     rollouts = [n.id for n in pipe.nodes.values() if n.weights_from]
-    return frozenset(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
+    ahead = frozenset(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
+    phases = phases_of(pipe)
+    return ahead | phases.first if phases else ahead
 
 
 def depth(runtime) -> int:
@@ -66,9 +71,6 @@ def problems(pipe) -> list[Problem]:
     if not any(n.weights_from for n in pipe.nodes.values()):
         out.append(Problem(("runtime", "schedule"), f"{rt.schedule} runs the rollouts ahead, and no node takes "
                            "weights from a trainer (weights_from); expected schedule sync"))
-    if any(pipe.kinds[n].filters_rows for n in pipe.nodes):
-        out.append(Problem(("runtime", "schedule"), f"{rt.schedule} with dynamic sampling (a node that filters rows) "
-                           "is not built yet; expected schedule sync"))
     if pipe.plan is None:
         return out
     devices = lambda ids: {d for n in ids if pipe.nodes[n].mesh for d in pipe.plan.meshes[pipe.nodes[n].mesh].devices}  # noqa: E731

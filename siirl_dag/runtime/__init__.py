@@ -2,6 +2,7 @@
 
 from siirl_dag.errors import PipelineError
 from siirl_dag.runtime.batch import Batch
-from siirl_dag.runtime.driver import Runtime, StepResult
+from siirl_dag.runtime.dispatch import Runtime
+from siirl_dag.runtime.step import StepResult
 
 __all__ = ["Batch", "PipelineError", "Runtime", "StepResult"]

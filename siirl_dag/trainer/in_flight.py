@@ -19,7 +19,7 @@ FOLDER = "in_flight"
 
 
 def save(folder: Path, queue: list, fetch: Callable[[Any], dict]) -> list[int]:
-    """Write `queue` (ahead.Generated, in order) under `folder`; `fetch` brings a shard's wire dict
+    """Write `queue` (schedules.generation.Generated, in order) under `folder`; `fetch` brings a shard's wire dict
     to the driver. Returns the batches written, for the trainer state."""
     (folder / FOLDER).mkdir()
     for g in queue:
@@ -87,10 +87,10 @@ def read(folder: Path, batches: list) -> list[tuple[dict, dict]]:
 
 
 def generated(records: list[tuple[dict, dict]]) -> list:
-    """`read`'s batches as the queue of ahead.Generated they were saved from."""
-    from siirl_dag.runtime.driver import NodeOutput, StepResult
+    """`read`'s batches as the queue of schedules.generation.Generated they were saved from."""
     from siirl_dag.runtime.reshard import Shard
-    from siirl_dag.trainer.ahead import Generated
+    from siirl_dag.runtime.step import NodeOutput, StepResult
+    from siirl_dag.trainer.schedules.generation import Generated
 
     queue = []
     for record, arrays in records:

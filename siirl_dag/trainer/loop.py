@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
-from siirl_dag.graph import phases_of
-from siirl_dag.trainer import checkpoint, in_flight, refill, trackers, trajectories
+from siirl_dag.trainer import checkpoint, in_flight, schedules, trackers, trajectories
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
@@ -73,14 +72,13 @@ class Trainer:
             raise pipe.error(("data", "train_batch_size"), exc.problems[0].message) from None
         self.total_steps = t.total_steps or t.total_epochs * len(self.loader)
         self.trainers = [n for n in pipe.nodes if pipe.kinds[n].trains]
-        self.phases = phases_of(pipe)
         self.mesh_devices = {m: set(p.devices) for m, p in pipe.plan.meshes.items()}
         self.models = {n: checkpoint.model_identity(pipe.models[m].hf_config(), pipe.models[m].lora)
                        for n in self.trainers for m in [pipe.nodes[n].model]}
         # a bad checkpoint, or one this run would overwrite, is bad input: refused before any process starts
         self.resume = Resume(pipe, self.ckpt_dir, self.trainers, self.models, self.loader)
-        self.step = self.resume.step
-        self.ahead = None  # one_step_off and async: the generating side running ahead (`ahead.Ahead`), from `fit`
+        self.step = self.resume.step  # steps trained; the next is self.step + 1 (runtime.step numbers them)
+        self.schedule: schedules.Schedule | None = None  # runtime.schedule's, from `fit`
         self.generations: list[dict] = []  # the last validation's samples for the trackers (trainer.log_val_generations)
 
     def _drop_overlong_prompts(self) -> None:
@@ -129,15 +127,11 @@ class Trainer:
             return {"steps": {}}
         from siirl_dag.runtime import Runtime
 
-        if self.pipe.runtime.schedule != "sync":
-            from siirl_dag.trainer.ahead import Ahead
-
-            self.ahead = Ahead(self.pipe, self.step, self.total_steps, in_flight.generated(self.resume.in_flight))
         restore = self._restore_engines if self.resume.path else None
         with Runtime(self.pipe, self.address, self.progress, on_built=restore, log_dir=log_dir) as rt:
             self.rt = rt
-            if self.ahead:
-                self.ahead.start(rt)
+            self.schedule = schedules.make(self.pipe, rt, self.step, self.total_steps,
+                                           in_flight.generated(self.resume.in_flight))
             run = trackers.RunInfo(self.project, self.experiment, self.out_dir, self.tb_dir, self.pipe.file,
                                    trackers.resolved(self.pipe), self.step, resumed=self.resume.path is not None)
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step, run, self.progress)
@@ -153,8 +147,8 @@ class Trainer:
                     last = self.step == self.total_steps
                     validating = self.val_data and ((t.test_freq > 0 and self.step % t.test_freq == 0) or last)
                     saving = (t.save_freq > 0 and self.step % t.save_freq == 0) or last
-                    if self.ahead and (validating or saving):  # the rollouts on the trainer's latest weights
-                        metrics.update(self.ahead.drain())
+                    if validating or saving:  # the rollouts on the trainer's latest weights
+                        metrics.update(self.schedule.drain(self._next_source))
                     if validating:
                         metrics.update(self.validate())
                         history["val_last"] = {k: v for k, v in metrics.items() if "val-core/" in k}
@@ -177,35 +171,30 @@ class Trainer:
                     self.progress(f"[trainer] timeline of the run: {written} (Perfetto, chrome://tracing)")
             return history
 
+    def _next_source(self, step: int) -> Batch:
+        """The prompts of the next batch of the loader, for `step` (the trace says which)."""
+        tag, began = f"e{self.loader.state_dict()['epoch']}-", time.time()
+        source = _source(self.loader.next_batch(), tag)
+        if self.rt.trace is not None:
+            self.rt.trace.driver("load data", began, step=step, prompts=source.num_rows)
+        return source
+
     def train_step(self) -> dict:
+        """One step of the schedule, with the step's timing, idle time and throughput."""
         t0 = time.perf_counter()
         epoch = self.loader.state_dict()["epoch"]
-
-        def next_source(step: int = self.step + 1):  # the step whose rows these are
-            tag, began = f"e{self.loader.state_dict()['epoch']}-", time.time()
-            source = _source(self.loader.next_batch(), tag)
-            if self.rt.trace is not None:
-                self.rt.trace.driver("load data", began, step=step, prompts=source.num_rows)
-            return source
-
-        if self.ahead:
-            result, spans, metrics = self.ahead.step(next_source)
-        else:
-            if self.phases is None:
-                result = self.rt.run_step(next_source(), self.step)
-            else:
-                result = refill.run_step(self.rt, self.phases, next_source, self.pipe.data.train_batch_size, self.step)
-            spans, metrics = result.spans, self.rt.sync_weights(self.step + 1)
+        outcome = self.schedule.step(self._next_source)
+        result, metrics = outcome.result, outcome.metrics
         metrics.update(result.metrics)
         end = time.perf_counter()
         elapsed = metrics["timing_s/step"] = end - t0
-        spans = {n: (max(a, t0), min(b, end)) for n, (a, b) in spans.items()}  # this step's share of work run ahead
+        # this step's share of each node run (of work run ahead too), by mesh
+        spans = [(self.pipe.nodes[s.node].mesh, (max(s.start, t0), min(s.end, end))) for s in outcome.spans]
         devices = self.mesh_devices
         for mesh in self.pipe.meshes:  # its devices waiting, for the other side (what one_step_off and async overlap)
-            on_devices = [s for n, s in spans.items()
-                          if (m := self.pipe.nodes[n.split("#")[0]].mesh) and devices[m] & devices[mesh]]
+            on_devices = [span for m, span in spans if m and devices[m] & devices[mesh]]
             metrics[f"timing_s/idle/{mesh}"] = max(elapsed - _union_length(on_devices), 0.0)
-        busy = _union_length(spans.values())
+        busy = _union_length(span for _, span in spans)
         metrics["timing_s/engine_overhead"] = max(elapsed - busy - metrics.get("timing_s/sync_weights", 0.0), 0.0)
         tokens = max((o.tokens for o in result.outputs.values()), key=lambda tk: sum(tk), default=[])
         metrics["perf/throughput"] = sum(tokens) / elapsed / self.pipe.cluster.total
@@ -263,8 +252,9 @@ class Trainer:
                  "synced": self.rt.synced, "models": self.models, "in_flight": []}
 
         def write_engines(folder: Path) -> None:
-            if self.ahead:
-                state["in_flight"] = in_flight.save(folder, list(self.ahead.queue), self.rt.backend.fetch)
+            queue = self.schedule.in_flight() if self.schedule else []
+            if queue:
+                state["in_flight"] = in_flight.save(folder, queue, self.rt.backend.fetch)
             for node in self.trainers:
                 self.rt.engine_call(node, RankWorker.save_checkpoint, str((folder / node).resolve()))
                 if self.pipe.models[self.pipe.nodes[node].model].lora:  # the adapters, as vLLM and peft load them

@@ -29,7 +29,7 @@ STRATEGY_STYLES = {
 }
 DATA_STYLE = Style("#F1F3F5", "#868E96", "data loader")
 WEIGHT_SYNC_COLOR = "#AE3EC9"
-REFILL_COLOR = "#E03131"
+RESAMPLE_COLOR = "#E03131"
 EDGE_COLOR = "#495057"
 MUTED = "#6A737D"
 IDLE_FILL = "#F8F9FA"
@@ -81,7 +81,7 @@ def weight_syncs(pipe: Pipeline) -> list[tuple[str, str]]:
     return [(n.weights_from, n.id) for n in pipe.nodes.values() if n.weights_from]
 
 
-def refill_edge(pipe: Pipeline) -> tuple[str, str] | None:
+def dynamic_sampling_edge(pipe: Pipeline) -> tuple[str, str] | None:
     """(the filtering node, its label) where dynamic sampling loops back to the data for more prompts."""
     phases = phases_of(pipe)
     if phases is None:

@@ -15,9 +15,9 @@ from html import escape
 from siirl_dag.config import Pipeline, schedule
 from siirl_dag.errors import ConfigError
 from siirl_dag.visualize.diagram import (CLUSTER_BORDER, CLUSTER_FILL, DATA_NODE, DATA_STYLE, EDGE_COLOR, FONT, MUTED,
-                                         REFILL_COLOR, WEIGHT_SYNC_COLOR, cluster_caption, data_edges, edge_keys, mesh_caption,
-                                         mesh_children, mesh_nodes, node_style, refill_edge, strategies_used,
-                                         weight_syncs)
+                                         RESAMPLE_COLOR, WEIGHT_SYNC_COLOR, cluster_caption, data_edges,
+                                         dynamic_sampling_edge, edge_keys, mesh_caption, mesh_children, mesh_nodes,
+                                         node_style, strategies_used, weight_syncs)
 
 # Raster output at print resolution; vector formats ignore it.
 _PNG_DPI = 192
@@ -58,8 +58,8 @@ def _legend(pipe: Pipeline) -> list[str]:
     if weight_syncs(pipe):
         items.append(f'<TD>{font("- - ▸", 10, WEIGHT_SYNC_COLOR, bold=True)}</TD>'
                      f'<TD ALIGN="LEFT">{font("weight sync (not a dependency)", 10)}</TD>')
-    if refill_edge(pipe):
-        items.append(f'<TD>{font("- - ▸", 10, REFILL_COLOR, bold=True)}</TD>'
+    if dynamic_sampling_edge(pipe):
+        items.append(f'<TD>{font("- - ▸", 10, RESAMPLE_COLOR, bold=True)}</TD>'
                      f'<TD ALIGN="LEFT">{font("dynamic sampling (re-runs its upstream)", 10)}</TD>')
     items.append(f'<TD>{font("—▸", 10, EDGE_COLOR, bold=True)}</TD>'
                  f'<TD ALIGN="LEFT">{font("batch keys that flow", 10)}</TD>')
@@ -130,10 +130,10 @@ def graph_dot(pipe: Pipeline) -> str:
                      "constraint=false, "
                      f'color="{WEIGHT_SYNC_COLOR}", fontcolor="{WEIGHT_SYNC_COLOR}", penwidth=1.6, '
                      f'tooltip={quote(f"{src} pushes its updated weights to {dst} after every step")}];')
-    if refill := refill_edge(pipe):
-        lines.append(f"  {quote(refill[0])} -> {quote(DATA_NODE)} [label={quote(_keys_label([refill[1]]))}, "
-                     f'style=dashed, constraint=false, color="{REFILL_COLOR}", fontcolor="{REFILL_COLOR}", '
-                     f'penwidth=1.6, tooltip={quote(refill[0] + " drops rows; its upstream runs again on more prompts")}];')
+    if resampled := dynamic_sampling_edge(pipe):
+        lines.append(f"  {quote(resampled[0])} -> {quote(DATA_NODE)} [label={quote(_keys_label([resampled[1]]))}, "
+                     f'style=dashed, constraint=false, color="{RESAMPLE_COLOR}", fontcolor="{RESAMPLE_COLOR}", '
+                     f'penwidth=1.6, tooltip={quote(resampled[0] + " drops rows; its upstream runs again on more prompts")}];')
     return "\n".join(lines + ["}"]) + "\n"
 
 

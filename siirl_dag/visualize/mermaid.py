@@ -7,9 +7,10 @@ Mermaid reserves (`end`, `graph`); every label carries the real name.
 from __future__ import annotations
 
 from siirl_dag.config import Pipeline, schedule
-from siirl_dag.visualize.diagram import (CLUSTER_BORDER, CLUSTER_FILL, DATA_STYLE, REFILL_COLOR, STRATEGY_STYLES,
-                                         WEIGHT_SYNC_COLOR, cluster_caption, data_edges, device_seats, edge_keys,
-                                         mesh_caption, mesh_children, mesh_colors, mesh_nodes, refill_edge, weight_syncs)
+from siirl_dag.visualize.diagram import (CLUSTER_BORDER, CLUSTER_FILL, DATA_STYLE, RESAMPLE_COLOR, STRATEGY_STYLES,
+                                         WEIGHT_SYNC_COLOR, cluster_caption, data_edges, device_seats,
+                                         dynamic_sampling_edge, edge_keys, mesh_caption, mesh_children, mesh_colors,
+                                         mesh_nodes, weight_syncs)
 from siirl_dag.visualize.placement_view import legend_rows, require_plan
 
 
@@ -60,9 +61,9 @@ def graph_mermaid(pipe: Pipeline) -> str:
     edges = len(data_edges(pipe)) + pipe.graph.number_of_edges()
     lines += [f"  linkStyle {i} stroke:{WEIGHT_SYNC_COLOR},stroke-width:1.5px,color:{WEIGHT_SYNC_COLOR}"
               for i in range(edges, edges + len(weight_syncs(pipe)))]
-    if refill := refill_edge(pipe):
-        lines += [f'  {ids[refill[0]]} -.->|"{esc(refill[1])}"| src',
-                  f"  linkStyle {edges + len(weight_syncs(pipe))} stroke:{REFILL_COLOR},stroke-width:1.5px,color:{REFILL_COLOR}"]
+    if resampled := dynamic_sampling_edge(pipe):
+        lines += [f'  {ids[resampled[0]]} -.->|"{esc(resampled[1])}"| src',
+                  f"  linkStyle {edges + len(weight_syncs(pipe))} stroke:{RESAMPLE_COLOR},stroke-width:1.5px,color:{RESAMPLE_COLOR}"]
     return "\n".join(lines) + "\n"
 
 

@@ -1,15 +1,14 @@
-"""The single controller: builds worker groups from the plan, then runs the DAG once per step.
+"""The single controller's dispatcher: builds worker groups from the plan, sends a node to its ranks
+and collects its output, retries a node that failed (which node runs when: `scheduler`).
 
-Each step, every node whose inputs are ready and whose mesh is free is dispatched at once, so
-independent branches on disjoint meshes (old and reference log-probs, say) overlap. The driver
-holds references only: a node's output stays with the workers (Ray object store) as per-rank
-shards, and each consumer rank fetches the row ranges it needs (`reshard`).
+The driver holds references only: a node's output stays with the workers (Ray object store) as
+per-rank shards, and each consumer rank fetches the row ranges it needs (`reshard`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import networkx as nx
@@ -21,54 +20,14 @@ from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
+from siirl_dag.runtime.scheduler import Scheduler
+from siirl_dag.runtime.step import COMPUTE, Job, NodeOutput, Running, Span, StepResult
 from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.weight_sync.syncs import NOT_SYNCED, WeightSyncs
 
-COMPUTE = "__compute__"
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
-
-
-@dataclass
-class NodeOutput:
-    shards: list[Shard]
-    keys: set
-    rows: int
-    tokens: list[int]
-
-
-@dataclass
-class StepResult:
-    metrics: dict = field(default_factory=dict)
-    outputs: dict = field(default_factory=dict)  # node id -> NodeOutput
-    spans: dict = field(default_factory=dict)  # node id -> (start, end) wall time at the driver
-    writers: dict = field(default_factory=dict, repr=False)  # metric name -> the node that wrote it
-
-
-@dataclass
-class Job:
-    """One batch through (part of) the DAG. Several jobs run at once on disjoint meshes: the rollout of
-    the next step beside the training of this one (runtime.schedule: one_step_off)."""
-
-    source: Batch | None  # the prompts; None: continue `given`, whose outputs hold them
-    step: int
-    nodes: Iterable[str] | None = None  # None: every node
-    given: StepResult | None = None  # outputs of nodes that ran earlier (a rollout run ahead)
-    # a segment of a partial rollout: the tokens a node that generates may add (None: to the end); a
-    # node whose output `given` holds runs on that output, to continue it (`NodeContext.resuming`)
-    segment_tokens: int | None = None
-
-
-@dataclass
-class _Running:
-    node: str
-    calls: list  # per rank: (wire, info) results or refs
-    ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
-    started: float
-    job: int = 0  # the id of its Job (jobs.Jobs)
-    segment_tokens: int | None = None  # its Job's
-    remaining: list = field(default_factory=list)  # info refs not finished yet (Ray)
 
 
 class Runtime:
@@ -203,14 +162,12 @@ class Runtime:
 
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, source: Batch, step: int, validating: bool = False, nodes: Iterable[str] | None = None) -> StepResult:
-        """Run the DAG (or the sub-graph `nodes`) on one batch of prompts."""
+        """Run the DAG (or the sub-graph `nodes`) on one batch of prompts, for `step` (`runtime.step`)."""
         return self.run_jobs([Job(source, step, nodes)], validating)[0]
 
     def run_jobs(self, jobs: list[Job], validating: bool = False) -> list[StepResult]:
-        """Run several batches through their parts of the DAG at once (`jobs.Jobs`), until all finish."""
-        from siirl_dag.runtime.jobs import run_all
-
-        return run_all(self, jobs, validating)
+        """Run several batches through their parts of the DAG at once (`scheduler.Scheduler`), until all finish."""
+        return Scheduler(self, validating).run(jobs)
 
     def group_of(self, node_id: str) -> str:
         mesh = self.pipe.nodes[node_id].mesh
@@ -231,9 +188,9 @@ class Runtime:
             return SOURCE, name
         raise KeyError(f"no output holds '{name}' for node '{node_id}'")
 
-    def dispatch(self, node_id: str, result: StepResult, step: int, validating: bool, job: int = 0,
-                 segment_tokens: int | None = None) -> _Running:
-        pipe, outputs = self.pipe, result.outputs
+    def dispatch(self, node_id: str, result: StepResult, job: Job, validating: bool, job_id: int = 0) -> Running:
+        """Send `node_id` to its ranks, each with its rows of the outputs it reads from `result`."""
+        pipe, outputs, step, segment_tokens = self.pipe, result.outputs, job.step, job.segment_tokens
         resuming = node_id in outputs  # a partial rollout's next segment: its own output in, to continue
         # per output read: (its key, the key as this node sees it)
         owners: dict[str, list[tuple[str, str]]] = {node_id: [(k, k) for k in sorted(outputs[node_id].keys)]} \
@@ -253,8 +210,11 @@ class Runtime:
         dp = roles[0][1].dp_size
         trains = pipe.kinds[node_id].trains
         ranges = equal_ranges(space.rows, dp) if trains else balanced_ranges(space.tokens, dp)
-        # seeded per data-parallel rank: the ranks of one tensor-parallel engine must draw the same samples
-        seed_base = (pipe.trainer.seed * 1_000_003 + step * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
+        # seeded per data-parallel rank: the ranks of one tensor-parallel engine must draw the same samples;
+        # and by the steps trained before the job, so that a seed draws what it drew before steps were
+        # numbered from 1 everywhere (`runtime.step`)
+        trained = step if validating else step - 1
+        seed_base = (pipe.trainer.seed * 1_000_003 + trained * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
         src = pipe.nodes[node_id].weights_from
         min_version = max(0, self.versions[src] - pipe.runtime.staleness) if src else 0
         calls, ranks = [], []
@@ -270,25 +230,26 @@ class Runtime:
                                            *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
-        return _Running(node_id, calls, ranks, time.perf_counter(), job, segment_tokens, remaining)
+        return Running(node_id, calls, ranks, time.perf_counter(), job_id, remaining)
 
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
         return next((up for up in self.upstream[node_id] if up in outputs and outputs[up].rows), SOURCE)
 
-    def finish(self, run: _Running, result: StepResult, step: int, validating: bool, running: dict) -> None:
+    def finish(self, run: Running, result: StepResult, job: Job, validating: bool, others: list[Running]) -> Running | None:
+        """Collect a node's output into `result`; a failed node is re-dispatched (the new run returned)
+        while its retries last. `others`: the other nodes running now (a restart waits for their updates)."""
+        step = job.step
         try:
             infos = self.backend.get([c[1] for c in run.calls])
         except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
-            self._retry_or_raise(run, exc, result, step, validating, running)
-            return
+            return self._retry_or_raise(run, exc, result, job, validating, others)
         end = time.perf_counter()
         local = self.backend.name == "local"
         by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
                         for (dp, is_out), call, info in zip(run.ranks, run.calls, infos) if is_out), key=lambda x: x[0])
-        if self.trace is not None:  # a span per rank, on the rank's own clock; `step` as the metrics number it
-            logged = step if validating else step + 1  # (validation after step k is logged at k)
+        if self.trace is not None:  # a span per rank, on the rank's own clock
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):
-                self.trace.span(self.group_of(run.node), f"rank {rank}", run.node, *info["span"], step=logged, dp_rank=dp,
+                self.trace.span(self.group_of(run.node), f"rank {rank}", run.node, *info["span"], step=step, dp_rank=dp,
                                 rows=info["rows"], validating=validating,
                                 weights_version=self.versions.get(run.node, info["weights_version"]))
         mesh = self.pipe.nodes[run.node].mesh
@@ -306,7 +267,8 @@ class Runtime:
             self.versions[run.node] += 1
         self._add_metrics(result, run.node, by_dp[0][2]["metrics"] if by_dp else {})
         result.metrics[f"timing_s/{run.node}"] = end - run.started
-        result.spans[run.node] = (run.started, end)
+        result.spans.append(Span(run.node, step, job.part, run.started, end))
+        return None
 
     def _add_metrics(self, result: StepResult, node: str, metrics: dict) -> None:
         """A node's metrics into its step's, under its policy's prefix when several train (dataflow);
@@ -326,7 +288,8 @@ class Runtime:
                 key = f"{prefix}{node}/{name}"
             result.metrics[key] = value
 
-    def _retry_or_raise(self, run: _Running, exc: Exception, result, step, validating, running) -> None:
+    def _retry_or_raise(self, run: Running, exc: Exception, result, job: Job, validating, others) -> Running:
+        step = job.step
         self.stop_if_machines_lost(step)
         node = self.pipe.nodes[run.node]
         cause = getattr(exc, "cause", None) or exc
@@ -334,9 +297,8 @@ class Runtime:
         if tries < node.retry_limit:
             self.attempts[run.node] = tries + 1
             if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
-                self._restart_group(self.group_of(run.node), step, running)
-            running[run.job, run.node] = self.dispatch(run.node, result, step, validating, run.job, run.segment_tokens)
-            return
+                self._restart_group(self.group_of(run.node), step, others)
+            return self.dispatch(run.node, result, job, validating, run.job)
         if isinstance(cause, NodeError):
             raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"
                                 f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
@@ -354,7 +316,7 @@ class Runtime:
         raise PipelineError(f"step {step}: lost {where}. The run stopped; resume from its last checkpoint on a "
                             "cluster with enough devices again: the same command (trainer.resume_mode=auto)")
 
-    def _restart_group(self, group: str, step: int, running: dict) -> None:
+    def _restart_group(self, group: str, step: int, others: list[Running]) -> None:
         """Replace a group's workers (one died), rebind their roles and rebuild their engines.
 
         Rebuilt engines load the model from disk. A rollout engine is then brought back to its
@@ -383,7 +345,7 @@ class Runtime:
         if behind:  # a trainer of theirs still updating (another batch's job): its update lands first
             sources = {self.pipe.nodes[dst].weights_from for dst in behind}
             landed = set()
-            for other in [r for r in running.values() if r.node in sources]:
+            for other in [r for r in others if r.node in sources]:
                 try:
                     self.backend.get([call[1] for call in other.calls])
                     landed.add(other.node)

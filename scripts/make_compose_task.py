@@ -5,7 +5,7 @@
 Every model shares the demo's byte-level vocabulary, reads raw text (no chat template) and is saved
 (safetensors plus tokenizer) to OUT_DIR/<name> with a summary OUT_DIR/<name>.json:
 
-- judge: "{prompt}{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
+- judge: "{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
   else " 0". Trained on a label-balanced mix of responses like a weak policy writes plus the demo model's
   own samples on train questions, with the loss also on the reference (see reference_loss), until the
   verdict is right on 97% of held-out questions' balanced and demo-sampled answers.
@@ -33,16 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, when impor
 from make_demo_task import greedy_accuracy, read_split, save_model, supervised  # noqa: E402
 from nodes.algos.scorers import gsm8k_score  # noqa: E402  (make_demo_task put the repo root on sys.path)
 
-JUDGE_TEMPLATE = "{prompt}{response} R: {ground_truth} V:"
+JUDGE_TEMPLATE = "{response} R: {ground_truth} V:"  # the question only lengthens it and adds numbers to confuse
 REVIEWER_TEMPLATE = "{prompt}{response} F:"
 STRAY = "abcxyzPQ#.,:;!?-+=()[]{}<>/\\|'\"`~@$%&*_ \t\x11\x1c\ufffd"
 TOKENS = re.compile(r"####|##|.", re.DOTALL)  # how the demo tokenizer splits ASCII text
 SHAPES = {
-    "judge": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "judge": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "reviewer": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "student": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256),
 }
-JUDGE_STEPS, JUDGE_EVAL_EVERY = 800, 100
+JUDGE_STEPS, JUDGE_EVAL_EVERY = 1500, 100
 JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.97, 1.5e-3, 20000, 200, 1000, 4
 JUDGE_REAL = 2  # the demo model's samples per train question in the judge's training mix
 REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.15, 0.2, 3

@@ -5,8 +5,10 @@
 Every model shares the demo's byte-level vocabulary, reads raw text (no chat template) and is saved
 (safetensors plus tokenizer) to OUT_DIR/<name> with a summary OUT_DIR/<name>.json:
 
-- judge: "{prompt}{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
-  else " 0". Trained on a label-balanced mix of responses like a weak policy writes.
+- judge: "{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
+  else " 0". Trained on a label-balanced mix of responses like a weak policy writes plus the demo model's
+  own samples on train questions, with the loss also on the reference (see reference_loss), until the
+  verdict is right on 97% of held-out questions' balanced and demo-sampled answers.
 - reviewer: "{prompt}{response} F:" -> " #### {answer}". It starts out trusting the solver: warm-started to
   give the solver's answer where the solver wrote one (the sum where it did not), until it does so for
   95% of held-out answers sampled from the demo model. Its final answers are then right as often as
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, when impor
 from make_demo_task import greedy_accuracy, read_split, save_model, supervised  # noqa: E402
 from nodes.algos.scorers import extract_gsm8k_answer, gsm8k_score  # noqa: E402  (make_demo_task put the repo root on sys.path)
 
-JUDGE_TEMPLATE = "{prompt}{response} R: {ground_truth} V:"
+JUDGE_TEMPLATE = "{response} R: {ground_truth} V:"  # the question only lengthens it and adds numbers to confuse
 REVIEWER_TEMPLATE = "{prompt}{response} F:"
 STRAY = "abcxyzPQ#.,:;!?-+=()[]{}<>/\\|'\"`~@$%&*_ \t\x11\x1c\ufffd"
 TOKENS = re.compile(r"####|##|.", re.DOTALL)  # how the demo tokenizer splits ASCII text
@@ -45,8 +47,9 @@ SHAPES = {
     "reviewer": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "student": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
 }
-JUDGE_STEPS = 1500
-JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.99, 1e-3, 40000, 200, 1000, 4
+JUDGE_STEPS, JUDGE_EVAL_EVERY = 1500, 100
+JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.97, 1.5e-3, 20000, 200, 1000, 4
+JUDGE_REAL = 2  # the demo model's samples per train question in the judge's training mix
 REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.95, 0.3, 3
 STUDENT_TARGET = 0.05
 
@@ -117,6 +120,27 @@ def judge_example(prompt: str, response: str, truth: str) -> tuple[str, str, str
     return JUDGE_TEMPLATE.format(prompt=prompt, response=response, ground_truth=truth), label, label.strip()
 
 
+def reference_loss(example: tuple[str, str, str]) -> tuple[str, str, str]:
+    """A judge triple with " {ground_truth} V:" moved from the prompt into the completion, so training also
+    predicts the reference from the answer before it (a copy when the answer is right): a dense signal that
+    teaches the digit-by-digit comparison, where the verdict alone gives one bit per example."""
+    prompt, completion, label = example
+    cut = prompt.rindex(" R:") + len(" R:")
+    return prompt[:cut], prompt[cut:] + completion, label
+
+
+def verdict_accuracy(model, tokenizer, examples, chunk: int = 250) -> float:
+    """Teacher-forced: the share of judge triples whose most likely token after prompt + " " is the verdict."""
+    hits = 0
+    for i in range(0, len(examples), chunk):
+        part = examples[i:i + chunk]
+        enc = tokenizer([p + " " for p, _, _ in part], return_tensors="pt", padding=True, padding_side="left")
+        with torch.no_grad():
+            best = model(**enc).logits[:, -1].argmax(-1)
+        hits += sum(tokenizer.decode([t]) == label for t, (_, _, label) in zip(best.tolist(), part))
+    return hits / len(examples)
+
+
 def exact(text: str, truth: str) -> float:
     return float(text.strip() == truth)
 
@@ -170,17 +194,21 @@ def judge_sets(rng, demo: Path, questions, seed: int):
 
 
 def make_judge(out: Path, demo: Path, seed: int) -> None:
-    """Stops on questions held out of training (JUDGE_VAL of the train split), reports on the test split."""
+    """Stops on questions held out of training (JUDGE_VAL of the train split), reports on the test split
+    (generated verdicts, as the pipeline reads them)."""
     rng = np.random.default_rng(seed)
     train_q, test_q = read_split(demo, "train"), read_split(demo, "test")
-    train = judge_examples(rng, train_q[JUDGE_VAL:], JUDGE_TRAIN)
+    fit = train_q[JUDGE_VAL:]
+    real = [judge_example(p, r, t) for (p, _, t), rs in zip(fit, sample_demo(demo, fit, JUDGE_REAL, seed + 2))
+            for r in rs]
+    train = [reference_loss(e) for e in judge_examples(rng, fit, JUDGE_TRAIN) + real]
     val, test = judge_sets(rng, demo, train_q[:JUDGE_VAL], seed), judge_sets(rng, demo, test_q, seed + 1)
     both = lambda m, tok, sets: [greedy_accuracy(m, tok, s, exact) for s in sets]  # noqa: E731
     report = lambda m, tok: dict(zip(["balanced_accuracy", "demo_outputs_accuracy"], both(m, tok, test)),  # noqa: E731
-                                 demo_outputs=len(test[1]),
+                                 demo_outputs=len(test[1]), train_examples=len(train),
                                  demo_outputs_right=sum(lab == "1" for _, _, lab in test[1]) / len(test[1]))
-    build(out, "judge", seed, train, lambda m, tok: min(both(m, tok, val)), JUDGE_TARGET, report,
-          lr=JUDGE_LR, max_steps=JUDGE_STEPS, eval_every=250, must_reach=False)
+    build(out, "judge", seed, train, lambda m, tok: min(verdict_accuracy(m, tok, s) for s in val), JUDGE_TARGET,
+          report, lr=JUDGE_LR, max_steps=JUDGE_STEPS, eval_every=JUDGE_EVAL_EVERY, must_reach=False)
 
 
 def trusted(response: str, truth: str) -> str:

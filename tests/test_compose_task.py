@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from make_compose_task import (JUDGE_TEMPLATE, judge_example, judge_examples, judge_label, malformed, near_miss,
-                               weak_response)
+                               reference_loss, weak_response)
 from nodes.algos.scorers import gsm8k_score
 
 
@@ -18,9 +18,16 @@ def test_judge_label_follows_the_grader(response, truth, label):
 
 def test_judge_example_renders_the_pipeline_template():
     prompt, completion, truth = judge_example("Q: 23+58=? A:", " #### 80", "81")
-    assert prompt == "Q: 23+58=? A: #### 80 R: 81 V:" == JUDGE_TEMPLATE.format(
+    assert prompt == " #### 80 R: 81 V:" == JUDGE_TEMPLATE.format(
         prompt="Q: 23+58=? A:", response=" #### 80", ground_truth="81")
     assert (completion, truth) == (" 0", "0")
+
+
+def test_reference_loss_moves_the_reference_into_the_completion():
+    example = judge_example("Q: 23+58=? A:", " #### 80 R: 5", "81")  # " R:" inside the response too
+    prompt, completion, label = reference_loss(example)
+    assert (prompt, completion, label) == (" #### 80 R: 5 R:", " 81 V: 0", "0")
+    assert prompt + completion == example[0] + example[1]
 
 
 def test_near_misses_and_malformed_responses_are_mostly_wrong():

@@ -67,11 +67,21 @@ def wait_for(condition, proc: subprocess.Popen, err: Path, timeout: float = 300)
     return found
 
 
-def rank_processes() -> list[psutil.Process]:
+def raylet_pids(head) -> set[int]:
+    return {info.process.pid for node in head.list_all_nodes() for info in node.all_processes.get("raylet", [])}
+
+
+def rank_processes(raylets: set[int]) -> list[psutil.Process]:
+    """The rank workers started by these raylets (Ray hands each worker its raylet's pid), not those of
+    another test's cluster running beside this one."""
     out = []
     for proc in psutil.process_iter(["cmdline"]):
         if (proc.info["cmdline"] or [""])[0].startswith("ray::RankWorker"):
-            out.append(proc)
+            try:
+                if int(proc.environ().get("RAY_RAYLET_PID", -1)) in raylets:
+                    out.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+                continue
     return out
 
 
@@ -101,14 +111,16 @@ def test_a_lost_node_stops_the_run_and_the_same_command_resumes_across_nodes(tmp
     machines = wait_for(lambda: MACHINES.search(err.read_text()) and node_ids_of_machines(err.read_text()), proc, err)
     wait_for(lambda: list(ckpt.glob("global_step_*")), proc, err)
     (gen_node,) = [n for n in nodes if n.node_id.startswith(machines[1])]
+    raylets = raylet_pids(head)  # before one goes: its workers must go too
+    assert rank_processes(raylets), "the run's rank workers, found by their raylets"
     head.remove_node(gen_node, allow_graceful=False)
     assert proc.wait(timeout=180) == 1, err.read_text()[-3000:]
     (failure,) = [line for line in err.read_text().splitlines() if line.startswith("[run] failed:")]
     assert re.search(rf"step \d+: lost machine 1 \(Ray node {machines[1]} at [\d.]+\), with ranks gen:0, gen:1\. "
                      r"The run stopped; resume from its last checkpoint", failure), failure
     end = time.monotonic() + 30
-    while rank_processes():  # the surviving node's rank workers go with the driver
-        assert time.monotonic() < end, [p.info["cmdline"] for p in rank_processes()]
+    while rank_processes(raylets):  # the rank workers (the surviving node's too) go with the driver
+        assert time.monotonic() < end, [p.info["cmdline"] for p in rank_processes(raylets)]
         time.sleep(0.5)
     last = max(int(p.name.removeprefix("global_step_")) for p in ckpt.glob("global_step_*"))
 

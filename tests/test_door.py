@@ -244,10 +244,15 @@ def test_likely_mistakes_are_warned_about_at_their_line(tmp_path, capsys):
     assert code == 0 and err.count("warning:") >= 4
 
 
-def test_a_rollout_longer_than_the_response_length_is_refused(tmp_path):
-    (problem,) = refused(write(tmp_path), ["nodes.rollout.options.max_tokens=1024"])
-    assert problem.path == ("nodes", 0, "options", "max_tokens") and problem.file == "<command line>"
-    assert "1024 is above data.max_response_length = 512" in problem.message
+def test_a_rollout_longer_than_the_response_length_is_warned_about_and_stops_there(tmp_path):
+    from siirl_dag.strategies.vllm.options import resolve_options, sampling_kwargs
+
+    found = [p for p in warned(write(tmp_path), ["nodes.rollout.options.max_tokens=1024"])
+             if p.path == ("nodes", 0, "options", "max_tokens")]
+    assert found and found[0].file == "<command line>"
+    assert "1024 is above data.max_response_length = 512" in found[0].message
+    assert "responses stop at 512 tokens" in found[0].message
+    assert sampling_kwargs(resolve_options({"max_tokens": 1024}), {}, 512)["max_tokens"] == 512
 
 
 def test_frozen_samplers_are_not_warned_about(tmp_path):

@@ -53,11 +53,11 @@ def problems(pipe) -> list[Problem]:
                                "trains, but takes no weights from it: it samples the initial weights at every step "
                                f"and the run never learns; expected weights_from: {trained[n.model]}"))
         limit = n.options.get("max_tokens") if pipe.kinds[n.id].name in ROLLOUT_KINDS else None
-        if limit and limit > pipe.data.max_response_length:  # responses are padded to it: generate refuses more
-            errors.append(Problem(pipe.node_path(n.id) + ("options", "max_tokens"), f"{limit} is above "
-                                  f"data.max_response_length = {pipe.data.max_response_length}, the length every "
-                                  f"response is padded to; expected at most {pipe.data.max_response_length} (or raise "
-                                  "data.max_response_length)"))
+        if limit and limit > pipe.data.max_response_length:  # responses are padded to it: they stop there
+            out.append(Problem(pipe.node_path(n.id) + ("options", "max_tokens"), f"{limit} is above "
+                               f"data.max_response_length = {pipe.data.max_response_length}, the length every response "
+                               f"is padded to, so responses stop at {pipe.data.max_response_length} tokens; expected at "
+                               f"most {pipe.data.max_response_length} (or raise data.max_response_length)"))
     for section, key, used, what in (("meshes", "mesh", {n.mesh for n in nodes}, "its devices are reserved for nothing"),
                                      ("models", "model", {n.model for n in nodes}, "nothing loads it")):
         for name in getattr(pipe, section):

@@ -70,6 +70,8 @@ def sampling_kwargs(options: dict[str, Any], overrides: dict[str, Any], max_resp
     if overrides.get("greedy"):
         kw.update(n=1, temperature=0.0)
     kw["max_tokens"] = kw["max_tokens"] or max_response_length
+    if "max_tokens" not in overrides:  # the option: above the padded length, responses stop there (validate warns)
+        kw["max_tokens"] = min(kw["max_tokens"], max_response_length)
     if kw["max_tokens"] > max_response_length:
         raise ConfigError([Problem(("sampling", "max_tokens"),
                                    f"max_tokens={kw['max_tokens']} exceeds max_response_length={max_response_length}; "

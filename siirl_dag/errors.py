@@ -24,6 +24,9 @@ def format_path(path: Sequence[PathPart]) -> str:
     return out or "<root>"
 
 
+OVERRIDE_FILE = "<command line>"  # where a problem an override caused is located
+
+
 @dataclass
 class Problem:
     """One thing wrong (or suspicious, when severity is 'warning') with the input."""

@@ -9,8 +9,7 @@ import time
 from siirl_dag import console
 from siirl_dag.cli.json_stdout import json_stdout
 from siirl_dag.config import load_pipeline
-from siirl_dag.config.overrides import OVERRIDE_FILE
-from siirl_dag.errors import ConfigError, PipelineError, Problem
+from siirl_dag.errors import OVERRIDE_FILE, ConfigError, PipelineError, Problem
 
 EXPECTED_ADDRESS = "expected the address of a running Ray cluster (host:port, ray://host:port or auto), or none"
 

@@ -17,9 +17,8 @@ from typing import Any
 import yaml
 
 from siirl_dag.config.yaml_loader import LimitedLoader, LimitError
-from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.errors import OVERRIDE_FILE, ConfigError, Problem
 
-OVERRIDE_FILE = "<command line>"
 
 
 def _mode(text: str) -> tuple[str, str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from siirl_dag.errors import ConfigError, Problem
+from siirl_dag.errors import OVERRIDE_FILE, ConfigError, Problem
 
 Position = tuple[int, int]  # 1-based line, col
 Positions = dict[tuple, Position]
@@ -138,8 +138,6 @@ def _build(node: yaml.Node, path: tuple, positions: Positions, problems: list[Pr
 
 def locate(problems: list[Problem], file: str, positions: Positions, touched: dict) -> list[Problem]:
     """Attach FILE:LINE:COL (or the override that set the key) from the longest known path prefix."""
-    from siirl_dag.config.overrides import OVERRIDE_FILE
-
     for p in problems:
         if p.file is not None and p.file != file:
             continue

@@ -6,7 +6,7 @@ DEMO   ?= graphs/tiny_grpo_cpu.yaml
 # test processes: most real runs keep one core busy while they start libraries and wait on each other
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast setup validate bench clean
+.PHONY: demo compose test test-fast setup validate bench clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): setup.cfg pyproject.toml scripts/setup_env.sh
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/make_demo_task.py data/demo
 	OMP_NUM_THREADS=1 $(PY) -m siirl_dag.main $(DEMO)
+
+# the models of the composed graphs (graphs/tiny_{judge,distill,two_agents}_cpu.yaml): a judge, a reviewer, a student
+compose: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) scripts/make_demo_task.py data/demo
+	OMP_NUM_THREADS=1 $(PY) scripts/make_compose_task.py data/compose
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20 tests

@@ -84,18 +84,13 @@ def judge(batch, ctx):
     import torch
 
     from nodes.algos.token_rewards import place_scores
-    from siirl_dag.strategies.rollout_layout import prompt_token_ids
 
     p, engine = ctx.params, ctx.engine
     values = templates.row_values(batch, ctx.tokenizer)  # the samples' own tokenizer decodes them
     limit = engine.options["max_model_len"] or engine.llm.llm_engine.model_config.max_model_len
     reply_tokens = engine.options["max_tokens"] or ctx.data.max_response_length
     room = limit - reply_tokens
-
-    def count(text):
-        return len(prompt_token_ids(engine.tokenizer, text, engine.options["chat_template"]))
-
-    built = [templates.fitted(p["template"], v, count, room) for v in values]
+    built = templates.fitted_rows(p["template"], values, engine, room)
     prompts = [text for text, _ in built]
     fits = [i for i, text in enumerate(prompts) if text]
     judged = set(fits)

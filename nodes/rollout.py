@@ -122,14 +122,7 @@ def weight_versions(out: dict, P: int, version: int, earlier=None) -> dict:
 def _templated(template: str, batch, ctx, limit: int) -> list[str]:
     """Prompts built from the samples they answer, each within data.max_prompt_length tokens (a
     response too long is cut, counted in rollout/prompts_cut; the door checked the rest fits)."""
-    from siirl_dag.strategies.rollout_layout import prompt_token_ids
-
-    engine = ctx.engine
-
-    def count(text):
-        return len(prompt_token_ids(engine.tokenizer, text, engine.options["chat_template"]))
-
-    built = [templates.fitted(template, v, count, limit) for v in templates.row_values(batch, ctx.tokenizer)]
+    built = templates.fitted_rows(template, templates.row_values(batch, ctx.tokenizer), ctx.engine, limit)
     ctx.metrics["rollout/prompts_cut"] = sum(cut for _, cut in built)
     return [text for text, _ in built]
 

@@ -116,6 +116,16 @@ def fitted(template: str, values: dict, count, limit: int) -> tuple[str | None, 
     return (text if count(text) <= limit else None), True
 
 
+def fitted_rows(template: str, rows: list[dict], engine, limit: int) -> list[tuple[str | None, bool]]:
+    """`fitted` for each row's values, counted as `engine` (a vLLM rollout strategy) tokenizes a prompt."""
+    from siirl_dag.strategies.rollout_layout import prompt_token_ids  # torch: only where an engine runs
+
+    def count(text: str) -> int:
+        return len(prompt_token_ids(engine.tokenizer, text, engine.options["chat_template"]))
+
+    return [fitted(template, values, count, limit) for values in rows]
+
+
 def missing_extra(template: str, data) -> list[str]:
     """The {extra_info.KEY} fields some rows of a dataset lack (checked before a run starts)."""
     keys = [f[len(EXTRA):] for f in fields(template) if f.startswith(EXTRA)]

@@ -14,20 +14,14 @@ is what a step reads.
 
 from __future__ import annotations
 
-import difflib
-
 import networkx as nx
 
 from siirl_dag.errors import Problem
+from siirl_dag.graph import hint, parse_binding
 
 # Keys every batch starts with: what the data loader yields per prompt.
 SOURCE_KEYS = ("raw_prompt", "uid", "data_source", "ground_truth", "extra_info")
 SOURCE = "__source__"  # the data loader, as a producer
-
-
-def _hint(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def holds(pipe, node: str) -> set[str]:
@@ -63,11 +57,11 @@ def binding_problems(pipe) -> list[Problem]:
         base, consumed, ancestors = pipe.node_path(n), pipe.consumes(n), nx.ancestors(pipe.graph, n)
         for key, (src, src_key) in spec.inputs.items():
             if key not in consumed:
-                problems.append(Problem(base + ("inputs", key), f"'{n}' does not consume '{key}'{_hint(key, consumed)}; "
+                problems.append(Problem(base + ("inputs", key), f"'{n}' does not consume '{key}'{hint(key, consumed)}; "
                                         f"expected one of the keys kind '{spec.kind}' consumes: {', '.join(consumed)}"))
             elif src_key not in holds(pipe, src):
                 held = sorted(holds(pipe, src))
-                problems.append(Problem(base + ("inputs", key), f"'{src}' does not produce '{src_key}'{_hint(src_key, held)}; "
+                problems.append(Problem(base + ("inputs", key), f"'{src}' does not produce '{src_key}'{hint(src_key, held)}; "
                                         f"expected one of: {', '.join(held)}"))
         for key in consumed:
             if key in spec.inputs:
@@ -126,8 +120,6 @@ def served_policies(pipe) -> dict[str, str | None]:
 def scorers(pipe) -> tuple[list[tuple[str, str]], list[Problem]]:
     """What validation scores: (node, key) per entry of trainer.val_score_key, a KEY (its producers)
     or NODE.KEY; one per policy (with one policy, one in all)."""
-    from siirl_dag.graph import parse_binding
-
     written = pipe.trainer.val_score_key
     entries = [written] if isinstance(written, str) else list(written)
     where = ("trainer", "val_score_key")
@@ -136,11 +128,11 @@ def scorers(pipe) -> tuple[list[tuple[str, str]], list[Problem]]:
         path = where if isinstance(written, str) else where + (i,)
         bound = parse_binding(entry)
         if bound and bound[0] not in pipe.nodes:
-            problems.append(Problem(path, f"unknown node '{bound[0]}' in '{entry}'{_hint(bound[0], pipe.nodes)}; "
+            problems.append(Problem(path, f"unknown node '{bound[0]}' in '{entry}'{hint(bound[0], pipe.nodes)}; "
                                           "expected KEY or NODE.KEY"))
         elif bound and bound[1] not in pipe.produces(bound[0]):
             made = pipe.produces(bound[0])
-            problems.append(Problem(path, f"'{bound[0]}' does not produce '{bound[1]}'{_hint(bound[1], made)}; "
+            problems.append(Problem(path, f"'{bound[0]}' does not produce '{bound[1]}'{hint(bound[1], made)}; "
                                           f"expected one of: {', '.join(made) or 'nothing it produces'}"))
         else:
             chosen += [bound] if bound else [(n, entry) for n in pipe.nodes if entry in pipe.produces(n)]

@@ -13,7 +13,8 @@ from siirl_dag.errors import Problem
 
 
 
-def _hint(word: str, choices) -> str:
+def hint(word: str, choices) -> str:
+    """'; did you mean X?' for the closest of `choices`, or ''."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 
@@ -45,7 +46,7 @@ def build_graph(nodes: list[dict]) -> tuple[nx.DiGraph, list[Problem]]:
             if dep == node["id"]:
                 problems.append(Problem(("nodes", i, "deps", j), f"node '{dep}' depends on itself; a node cannot be its own dependency"))
             elif dep not in graph:
-                problems.append(Problem(("nodes", i, "deps", j), f"unknown dependency '{dep}'{_hint(dep, graph.nodes)}; expected the id of another node"))
+                problems.append(Problem(("nodes", i, "deps", j), f"unknown dependency '{dep}'{hint(dep, graph.nodes)}; expected the id of another node"))
             else:
                 graph.add_edge(dep, node["id"])
         for key, value in node.get("inputs", {}).items():
@@ -55,7 +56,7 @@ def build_graph(nodes: list[dict]) -> tuple[nx.DiGraph, list[Problem]]:
             elif bound[0] == node["id"]:
                 problems.append(Problem(where, f"'{value}' binds node '{bound[0]}' to its own output; {EXPECTED_BINDING}"))
             elif bound[0] not in graph:
-                problems.append(Problem(where, f"unknown node '{bound[0]}' in '{value}'{_hint(bound[0], graph.nodes)}; "
+                problems.append(Problem(where, f"unknown node '{bound[0]}' in '{value}'{hint(bound[0], graph.nodes)}; "
                                                f"{EXPECTED_BINDING}"))
             else:
                 graph.add_edge(bound[0], node["id"])

@@ -230,7 +230,7 @@ class Runtime:
                                            *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
-        return Running(node_id, calls, ranks, time.perf_counter(), job_id, remaining)
+        return Running(node_id, calls, ranks, time.perf_counter(), job=job_id, remaining=remaining)
 
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
         return next((up for up in self.upstream[node_id] if up in outputs and outputs[up].rows), SOURCE)

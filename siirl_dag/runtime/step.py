@@ -77,5 +77,4 @@ class Running:
     ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
     started: float
     job: int = 0  # its job's id (scheduler.Scheduler)
-    segment_tokens: int | None = None  # its job's
     remaining: list = field(default_factory=list)  # info refs not finished yet (Ray)

@@ -5,12 +5,14 @@ from nodes.rollout import temperature_differs
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
 
-_BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages", "old_logprobs")
+_BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
 
 
 def _consumes(params):
-    return _BASE + (("ref_logprobs",) if params["use_kl_loss"] else ()) + \
-        (("rollout_logprobs",) if params["rollout_is"] != "off" else ()) + routing.replays(params)
+    return _BASE + (("old_logprobs",) if params["old_logprobs"] == "input" else ()) + \
+        (("ref_logprobs",) if params["use_kl_loss"] else ()) + \
+        (("rollout_logprobs",) if params["rollout_is"] != "off" or params["old_logprobs"] == "rollout" else ()) + \
+        routing.replays(params)
 
 
 def check_mini_batch(node, pipeline):
@@ -31,8 +33,27 @@ def check_mini_batch(node, pipeline):
 
 
 def _checks(node, pipeline):
-    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline) + \
+    return check_mini_batch(node, pipeline) + _stale_samples_corrected(node, pipeline) + _old_policy(node, pipeline) + \
         temperature_differs(node, pipeline) + routing.problems(node, pipeline, "routing_replay")
+
+
+def _old_policy(node, pipeline):
+    """old_logprobs: update is exact only when the policy has not moved before any row's loss: one
+    epoch, one mini batch, and a forward that drops nothing out; rollout leaves rollout_is nothing to weigh."""
+    p, path = node.params, pipeline.node_path(node.id) + ("params", "old_logprobs")
+    lora = pipeline.models[node.model].lora
+    if p["old_logprobs"] == "update" and (p["epochs"] > 1 or p["mini_batch_size"] < pipeline.data.train_batch_size):
+        return [Problem(path, f"update: the update's forward gives the old policy only before its first optimizer "
+                              f"step, and this one takes {p['epochs']} epoch(s) of mini batches of {p['mini_batch_size']} "
+                              f"of the step's {pipeline.data.train_batch_size} prompts; expected epochs 1 and "
+                              f"mini_batch_size {pipeline.data.train_batch_size}, or old_logprobs: input (a logprob node)")]
+    if p["old_logprobs"] == "update" and lora is not None and lora.dropout:
+        return [Problem(path, f"update: model '{node.model}' drops LoRA inputs out ({lora.dropout}) in training, so the "
+                              "update's forward is not the old policy's; expected lora dropout 0, or old_logprobs: input")]
+    if p["old_logprobs"] == "rollout" and p["rollout_is"] != "off":
+        return [Problem(path, "rollout: the old policy is the rollout's, so rollout_is would weigh every token by 1; "
+                              "expected rollout_is: off (the PPO ratio corrects for the rollout), or old_logprobs: input")]
+    return []
 
 
 def _stale_samples_corrected(node, pipeline):
@@ -54,14 +75,19 @@ def actor_update(batch, ctx):
     from nodes.algos.rollout_corr import rollout_corr_metrics, rollout_is_weights
 
     p = ctx.params
+    seen = []  # with old_logprobs: update, each micro batch's (old, rollout log-probs, mask), for the metrics
 
-    def weights_of(rows):
-        return rollout_is_weights(rows["old_logprobs"], rows["rollout_logprobs"], rows["response_mask"],
-                                  p["rollout_is"], p["rollout_is_threshold"])
+    def weights_of(old, rows):
+        return rollout_is_weights(old, rows["rollout_logprobs"], rows["response_mask"], p["rollout_is"],
+                                  p["rollout_is_threshold"])
 
     def loss_fn(logprobs, entropy, mb, totals):
-        weights = None if p["rollout_is"] == "off" else weights_of(mb)
-        return ppo_actor_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], entropy=entropy,
+        old = {"input": mb.get("old_logprobs"), "update": logprobs.detach(), "rollout": mb.get("rollout_logprobs")}[
+            p["old_logprobs"]]
+        weights = None if p["rollout_is"] == "off" else weights_of(old, mb)
+        if weights is not None and p["old_logprobs"] == "update":
+            seen.append((old, mb["rollout_logprobs"], mb["response_mask"]))
+        return ppo_actor_loss(logprobs, old, mb["advantages"], mb["response_mask"], entropy=entropy,
                               ref_logprobs=mb.get("ref_logprobs"), clip_ratio_low=p["clip_ratio_low"],
                               clip_ratio_high=p["clip_ratio_high"], clip_ratio_c=p["clip_ratio_c"],
                               loss_agg_mode=p["loss_agg_mode"], entropy_coeff=p["entropy_coeff"],
@@ -72,7 +98,19 @@ def actor_update(batch, ctx):
                                micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"],
                                replay_routes=p["routing_replay"])
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
-    if p["rollout_is"] != "off":  # this rank's rows (all of them on one data-parallel rank)
+    if p["rollout_is"] != "off" and p["old_logprobs"] == "input":  # this rank's rows (all of them on one DP rank)
         ctx.metrics.update(rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
-                                                weights_of(batch)))
+                                                weights_of(batch["old_logprobs"], batch)))
+    elif seen:  # the micro batches' rows, on the last pipeline stage (where the loss is computed)
+        old, rollout, mask = (_rows([s[i] for s in seen]) for i in range(3))
+        ctx.metrics.update(rollout_corr_metrics(old, rollout, mask, weights_of(old, {"rollout_logprobs": rollout,
+                                                                                     "response_mask": mask})))
     return {}
+
+
+def _rows(parts):
+    """Micro batches' [b, R_i] tensors as one [sum b, max R], padded with zeros (masked out)."""
+    import torch
+
+    width = max(t.shape[1] for t in parts)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])

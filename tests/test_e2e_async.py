@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import test_e2e
 from siirl_dag.main import main
 from siirl_dag.visualize import timeline
 from test_e2e import QUICK, SEPARATE, launch, parsed
@@ -60,6 +61,35 @@ def check_trace(path):
     ahead = next(s for s in by("rollout") if s["args"]["step"] == 3 and not s["args"]["validating"])
     training = [s for s in spans if s["track"] == "train" and s["args"]["step"] == 2]
     assert any(ahead["ts"] < s["ts"] + s["dur"] and s["ts"] < ahead["ts"] + ahead["dur"] for s in training)
+
+
+BESIDE_ROLLOUT = '  gen: "vllm:d1"\n  train: "megatron:d1"\n  ref: {alloc: "megatron:d1", colocate_with: gen}'
+
+
+def test_the_reference_beside_the_rollout_computes_while_the_update_runs(tmp_path, tiny_model_dir, demo_data,
+                                                                          monkeypatch):
+    """The demo's balance: the frozen reference on the rollout's device runs ahead with it, and the
+    update's own forward gives the old log-probs (one mini batch), so no node waits for a separate pass."""
+    text = test_e2e.PIPELINE.replace(
+        "  - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}\n",
+        "").replace("deps: [advantage, old_logprob, ref_logprob]", "deps: [advantage, ref_logprob]").replace(
+        "params: {{mini_batch_size: 4,", "params: {{mini_batch_size: 8, old_logprobs: update, rollout_is: token,")
+    assert text.count("old_logprobs: update") == 1 and "old_logprob," not in text
+    monkeypatch.setattr(test_e2e, "PIPELINE", text)
+    res = launch(tmp_path, tiny_model_dir, demo_data, BESIDE_ROLLOUT, 2, "ray", "trainer.total_steps=3", "--trace",
+                 *ONE_STEP_OFF)
+    steps = parsed(res)["steps"]
+    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 1]
+    for s in ("2", "3"):  # the old policy is the update's own: ratios of 1 before its one optimizer step
+        assert steps[s]["actor/ppo_kl"] == pytest.approx(0, abs=1e-6) and steps[s]["actor/pg_clipfrac"] == 0
+        assert steps[s]["rollout_corr/kl"] != 0 and steps[s]["actor/grad_norm"] > 0  # samples one version back
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("[trainer] timeline of the run: ")]
+    trace = json.loads(Path(line.split(": ", 1)[1].split(" (")[0]).read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    refs = [e for e in spans if e["name"] == "ref_logprob" and not e["args"]["validating"]]
+    updates = [e for e in spans if e["name"] == "actor_update"]
+    assert any(r["ts"] < u["ts"] + u["dur"] and u["ts"] < r["ts"] + r["dur"] and r["args"]["step"] == u["args"]["step"] + 1
+               for r in refs for u in updates)  # the next batch's reference beside this step's update
 
 
 def test_async_runs_two_batches_ahead_through_ray(tmp_path, tiny_model_dir, demo_data):

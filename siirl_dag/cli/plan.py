@@ -9,6 +9,7 @@ from siirl_dag.config import load_pipeline, schedule
 from siirl_dag.errors import ConfigError
 from siirl_dag.graph import phases_of
 from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
+from siirl_dag.trainer import timings
 from siirl_dag.weight_sync.routes import routes_json
 
 
@@ -68,7 +69,8 @@ def main(args) -> int:
                           "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings],
                           "schedule": {"name": pipe.runtime.schedule, "staleness": pipe.runtime.staleness,
                                        "ahead": sorted(schedule.ahead_nodes(pipe)) if pipe.runtime.schedule != "sync" else [],
-                                       "depth": schedule.depth(pipe.runtime)}}, indent=2))
+                                       "depth": schedule.depth(pipe.runtime)},
+                          "timings": timings.read(pipe.out_dir)}, indent=2))
         return 0
     for w in pipe.warnings:
         print(str(w), file=sys.stderr)
@@ -93,4 +95,7 @@ def main(args) -> int:
     if pipe.memory:
         print()
         print("\n".join(pipe.memory.lines()))
+    if pipe.plan and (last := timings.read(pipe.out_dir)):
+        print()
+        print("\n".join(timings.lines(pipe, last)))
     return 0

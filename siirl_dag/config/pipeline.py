@@ -226,6 +226,11 @@ class Pipeline:
         """Rows per prompt in the batch this node sees (the n of the rollouts its rows come from)."""
         return self.rows.get(node_id, 1)
 
+    @property
+    def out_dir(self) -> Path:
+        """The run's output folder (checkpoints, logs, tensorboard and timings by default), under the working directory."""
+        return Path("outputs") / (self.trainer.project_name or self.name) / (self.trainer.experiment_name or "default")
+
     def metric_prefix(self, node_id: str) -> str:
         """'<policy>/' before a node's metrics when several policies train, else '' (verl's names)."""
         policy = self.serves.get(node_id)

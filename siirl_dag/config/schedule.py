@@ -1,8 +1,10 @@
 """`runtime.schedule`: which part of a step runs ahead, how far, and what a schedule needs of the meshes.
 
-The rollouts (the nodes that take weights from a trainer) and their ancestors, and with dynamic
-sampling the filter and its ancestors, are the generating side; they run ahead of the rest, the
-training side, into a queue of generated batches:
+The rollouts (the nodes that take weights from a trainer) and their ancestors, with dynamic sampling
+the filter and its ancestors, and the frozen models' nodes that read only what those made (a
+reference model's log-probs, a judge: no trainer moves their weights) on devices off the training
+side's, are the generating side; they run ahead of the rest, the training side, into a queue
+of generated batches:
 - one_step_off: one batch ahead, generated while the step before it trains; a sample trains one
   weight version after the one that generated it (runtime.staleness >= 1).
 - async: up to runtime.staleness batches ahead, as far as the bound lets the rollouts' weights lag
@@ -19,12 +21,31 @@ from siirl_dag.graph import phases_of
 
 
 def ahead_nodes(pipe) -> frozenset:
-    """The nodes that run ahead: every weights_from consumer and its ancestors, and with dynamic
-    sampling the filter and its ancestors (`graph.phases_of`: what each round re-runs)."""
+    """The nodes that run ahead: every weights_from consumer and its ancestors, with dynamic sampling
+    the filter and its ancestors (`graph.phases_of`: what each round re-runs), then, in order, each node
+    of a model no trainer moves that reads only those, on a mesh off the training side's devices. A
+    frozen reference model on the rollout's devices thus computes beside the update (docs/BENCHMARKS.md);
+    driver-side nodes (rewards, advantages) stay where they were: they hold no device to balance."""
     rollouts = [n.id for n in pipe.nodes.values() if n.weights_from]
-    ahead = frozenset(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
+    ahead = set(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
     phases = phases_of(pipe)
-    return ahead | phases.first if phases else ahead
+    ahead |= phases.first if phases else set()
+    trained = {(n.mesh, n.model) for n in pipe.nodes.values() if pipe.kinds[n.id].trains}
+    moving = {n for n in pipe.nodes if n not in ahead and (pipe.nodes[n].mesh, pipe.nodes[n].model) in trained}
+    held = moving.union(*(nx.descendants(pipe.graph, n) for n in moving))  # they read weights a trainer moves
+    training_devices = _devices(pipe, held)
+    for n in nx.topological_sort(pipe.graph):
+        if pipe.nodes[n].mesh and n not in ahead | held and set(pipe.graph.predecessors(n)) <= ahead and \
+                not _devices(pipe, [n]) & training_devices:
+            ahead.add(n)
+    return frozenset(ahead)
+
+
+def _devices(pipe, ids) -> set:
+    """The devices the nodes `ids` run on (none before placement, or without a mesh)."""
+    if pipe.plan is None:
+        return set()
+    return {d for n in ids if pipe.nodes[n].mesh for d in pipe.plan.meshes[pipe.nodes[n].mesh].devices}
 
 
 def depth(runtime) -> int:
@@ -73,11 +94,10 @@ def problems(pipe) -> list[Problem]:
                            "weights from a trainer (weights_from); expected schedule sync"))
     if pipe.plan is None:
         return out
-    devices = lambda ids: {d for n in ids if pipe.nodes[n].mesh for d in pipe.plan.meshes[pipe.nodes[n].mesh].devices}  # noqa: E731
-    shared = devices(ahead) & devices(set(pipe.nodes) - ahead)
-    for n in sorted(n for n in ahead if pipe.nodes[n].mesh and devices([n]) & shared):
+    shared = _devices(pipe, ahead) & _devices(pipe, set(pipe.nodes) - ahead)
+    for n in sorted(n for n in ahead if pipe.nodes[n].mesh and _devices(pipe, [n]) & shared):
         out.append(Problem(pipe.node_path(n) + ("mesh",), f"'{n}' runs ahead under {rt.schedule}, but its "
-                           f"mesh '{pipe.nodes[n].mesh}' shares devices {sorted(devices([n]) & shared)} with the "
+                           f"mesh '{pipe.nodes[n].mesh}' shares devices {sorted(_devices(pipe, [n]) & shared)} with the "
                            "training side, so the two cannot overlap; expected meshes on devices of their own "
                            "(no colocate_with), or schedule sync"))
     return out

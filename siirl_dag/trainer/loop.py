@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from siirl_dag.data import PromptDataset, PromptLoader
 from siirl_dag.errors import ConfigError, PipelineError, Problem
-from siirl_dag.trainer import checkpoint, in_flight, schedules, trackers, trajectories
+from siirl_dag.trainer import checkpoint, in_flight, schedules, timings, trackers, trajectories
 from siirl_dag.trainer.logger import MetricsLogger
 from siirl_dag.trainer.resume import Resume
 
@@ -51,7 +51,7 @@ class Trainer:
         self.pipe, self.address, self.progress = pipe, address, progress
         t, d = pipe.trainer, pipe.data
         self.project, self.experiment = t.project_name or pipe.name, t.experiment_name or "default"
-        self.out_dir = Path("outputs") / self.project / self.experiment
+        self.out_dir = pipe.out_dir
         self.ckpt_dir = Path(t.default_local_dir or self.out_dir / "checkpoints")
         self.tb_dir = t.tensorboard_dir or str(self.out_dir / "tensorboard")
         self.log_dir = Path(t.log_dir or self.out_dir / "logs")  # each run logs into a folder of its own there
@@ -164,6 +164,7 @@ class Trainer:
                     history["steps"][self.step] = metrics
                 if t.export_hf and self.trainers:
                     self.export_hf(saved)  # the last step is always saved
+                timings.write(self.out_dir, self.pipe, history["steps"])  # for `plan`'s time per mesh
             finally:
                 log.close()
                 if rt.trace is not None:  # beside the run's logs (with --verbose: in its output folder)

@@ -2,11 +2,14 @@
 with --all also the other benchmarks' ratios (validate, plan, runtime, vLLM, Megatron, weight sync, LoRA,
 routing replay).
 
-    python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--trace] [--all]
+    python scripts/bench.py [--json] [--steps 6] [--pipeline graphs/tiny_grpo_cpu.yaml] [--trace] [--all] [--no-bare]
 
 Needs the demo task (make demo, or python scripts/make_demo_task.py data/demo).
 Engine overhead = step time - (time any node was running + weight sync): what the driver adds
-between nodes (data loading, dispatch, collection). --trace runs the demo again with trainer.trace
+between nodes (data loading, dispatch, collection). Each mesh's busy and idle time per step (meshes
+on the same devices count the same). Then, in the same sitting, the same work as a bare torch +
+transformers loop on 2 threads (scripts/bench_bare.py) and the demo's step as a multiple of it
+(`vs_bare`, the bar of issue #50: <= 1.0). --trace runs the demo again with trainer.trace
 and reports the step time with the timeline recorded against without.
 """
 
@@ -52,9 +55,19 @@ def demo(path: str, steps: int, trace: bool = False) -> dict:
     med = lambda key: statistics.median(m.get(key, 0.0) for m in measured)  # noqa: E731
     nodes = {n: med(f"timing_s/{n}") for n in pipe.nodes}
     step, sync, overhead = med("timing_s/step"), med("timing_s/sync_weights"), med("timing_s/engine_overhead")
-    return {"pipeline": path, "steps_measured": len(measured), "step_s": step, "node_s": nodes, "sync_weights_s": sync,
+    meshes = {m: {"nodes": [n for n in pipe.nodes if pipe.nodes[n].mesh == m], "busy_s": step - med(f"timing_s/idle/{m}"),
+                  "idle_s": med(f"timing_s/idle/{m}")} for m in pipe.meshes}
+    return {"pipeline": path, "schedule": pipe.runtime.schedule, "steps_measured": len(measured), "step_s": step,
+            "node_s": nodes, "mesh_s": meshes, "sync_weights_s": sync,
             "sync_bytes": med("sync/bytes"), "engine_overhead_s": overhead, "engine_overhead_fraction": overhead / step,
             "tokens_per_s": med("perf/throughput") * pipe.cluster.total, "score_mean": med("critic/score/mean")}
+
+
+def _script(args: list[str]) -> dict:
+    """Another benchmark script's JSON report (or its error)."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / args[0]), "--json", *args[1:]], capture_output=True,
+                         text=True, cwd=ROOT)
+    return json.loads(res.stdout) if res.returncode == 0 else {"error": res.stderr[-500:]}
 
 
 def main() -> None:
@@ -64,17 +77,21 @@ def main() -> None:
     ap.add_argument("--pipeline", default=str(ROOT / "graphs" / "tiny_grpo_cpu.yaml"))
     ap.add_argument("--all", action="store_true", help="also run the other benchmark scripts")
     ap.add_argument("--trace", action="store_true", help="also the step time with trainer.trace on")
+    ap.add_argument("--no-bare", action="store_true", help="skip the bare loop (scripts/bench_bare.py) and the ratio")
     args = ap.parse_args()
     with json_stdout(args.json) as emit:
         report = {"demo": demo(args.pipeline, args.steps)}
+        if not args.no_bare:
+            bare = _script(["bench_bare.py", "--threads", "2", "--steps", str(args.steps)])
+            report["bare"] = bare
+            if "runs" in bare:
+                report["vs_bare"] = report["demo"]["step_s"] / bare["runs"][0]["step_s"]
         if args.trace:
             traced = demo(args.pipeline, args.steps, trace=True)
             report["trace"] = {"step_s": traced["step_s"], "cost_fraction": traced["step_s"] / report["demo"]["step_s"] - 1}
         if args.all:
-            for name, (script, *extra) in OTHERS.items():
-                res = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--json", *extra],
-                                     capture_output=True, text=True, cwd=ROOT)
-                report[name] = json.loads(res.stdout) if res.returncode == 0 else {"error": res.stderr[-500:]}
+            for name, args_of in OTHERS.items():
+                report[name] = _script(args_of)
         if args.json:
             emit(report)
             return
@@ -84,6 +101,12 @@ def main() -> None:
           f"engine overhead {1000 * d['engine_overhead_s']:.1f} ms = {100 * d['engine_overhead_fraction']:.1f}% of a step")
     for node, t in d["node_s"].items():
         print(f"  {node:<14} {1000 * t:8.1f} ms")
+    for mesh, m in d["mesh_s"].items():  # meshes sharing devices count the same busy time
+        print(f"  mesh {mesh:<9} busy {1000 * m['busy_s']:6.1f} ms, idle {1000 * m['idle_s']:6.1f} ms ({', '.join(m['nodes'])})")
+    if "vs_bare" in report:
+        bare = report["bare"]["runs"][0]
+        print(f"bare loop (scripts/bench_bare.py, 2 threads): {bare['step_s']:.3f} s/step; the demo's step = "
+              f"{report['vs_bare']:.2f} x the bare loop's")
     if "trace" in report:
         print(f"with trainer.trace: {report['trace']['step_s']:.3f} s/step ({100 * report['trace']['cost_fraction']:+.1f}%)")
     for name in OTHERS:

@@ -840,8 +840,8 @@ def test_log_probs_at_another_temperature_than_the_rollout_are_warned_at_their_l
     assert not [w for w in load_pipeline(tiny).warnings if "temperature" in w.message]
     pipe = load_pipeline(tiny, ["nodes.rollout.options.temperature=0.7", "nodes.ref_logprob.params.temperature=0.7"])
     warned = {format_path(w.path): (w.line, w.message) for w in pipe.warnings if "temperature" in w.message}
-    assert set(warned) == {"nodes[3].params.temperature", "nodes[5].params.temperature"}  # old_logprob, actor_update
-    assert warned["nodes[3].params.temperature"][1] == ("log-probs at temperature 1.0, but 'rollout' samples at 0.7, so "
+    assert set(warned) == {"nodes[4].params.temperature"}  # actor_update; ref_logprob was given the rollout's
+    assert warned["nodes[4].params.temperature"][1] == ("log-probs at temperature 1.0, but 'rollout' samples at 0.7, so "
                                                          "every ratio against its samples is off-policy; expected temperature: 0.7")
 
 

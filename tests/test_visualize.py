@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from siirl_dag.config import load_pipeline
+from siirl_dag.config import load_pipeline, schedule
 from siirl_dag.main import main
 from siirl_dag.visualize import render
 from siirl_dag.visualize.diagram import DATA_NODE, STRATEGY_STYLES, dynamic_sampling_edge, edge_keys, weight_syncs
@@ -94,7 +94,7 @@ def test_svg_graph_has_every_node_edge_and_mesh(name):
     for src, dst in weight_syncs(pipe):  # dashed, labelled, and the only dashed edge
         group = edge_groups[f"{src}->{dst}"]
         assert next(group.iter(f"{SVG}path")).get("stroke-dasharray")
-        assert "weights (sync)" in " ".join(t.text for t in group.iter(f"{SVG}text"))
+        assert schedule.edge_label(pipe.runtime) in " ".join(t.text for t in group.iter(f"{SVG}text"))
     dashed = {t for t, g in edge_groups.items() if next(g.iter(f"{SVG}path")).get("stroke-dasharray")}
     resampled = dynamic_sampling_edge(pipe)  # dynamic sampling: dashed from the filter back to the data
     assert dashed == {f"{s}->{d}" for s, d in weight_syncs(pipe)} | ({f"{resampled[0]}->{DATA_NODE}"} if resampled else set())
@@ -143,7 +143,7 @@ def test_mermaid_graph(name):
     by_name = {v: k for k, v in ids.items()}
     solid = set(re.findall(r"^\s*(n\d+) -->(?:\|[^|]*\|)? (n\d+)$", text, re.M))
     assert solid == {(by_name[s], by_name[d]) for s, d in pipe.graph.edges}
-    dotted = set(re.findall(r'^\s*(n\d+) -\.->\|"weights \(sync\)"\| (n\d+)$', text, re.M))
+    dotted = set(re.findall(r'^\s*(n\d+) -\.->\|"' + re.escape(schedule.edge_label(pipe.runtime)) + r'"\| (n\d+)$', text, re.M))
     assert dotted == {(by_name[s], by_name[d]) for s, d in weight_syncs(pipe)}
     for m in pipe.meshes:
         assert f"<b>mesh {m}</b>" in text
@@ -229,7 +229,8 @@ def test_cli_writes_every_format(capsys, tmp_path):
         target = tmp_path / "out" / f"tiny.{ext}"
         rc, out, _ = run_cli(capsys, "visualize", TINY, "-o", str(target))
         assert rc == 0 and target.stat().st_size > 0 and f"wrote {target}" in out
-    rc, out, _ = run_cli(capsys, "visualize", TINY, "data.train_batch_size=64", "-o", str(tmp_path / "p.svg"),
+    rc, out, _ = run_cli(capsys, "visualize", TINY, "data.train_batch_size=64", "nodes.actor_update.params.mini_batch_size=64",
+                         "-o", str(tmp_path / "p.svg"),
                          "--view", "placement", "--json")
     assert rc == 0 and '"placed": true' in out and "train:0" in (tmp_path / "p.svg").read_text()
 

@@ -1,8 +1,10 @@
 """Rollout throughput: the `vllm` strategy vs HF transformers `generate`, same tiny model and batch.
 
 Both sample at temperature 1 (the RL setting) from the same prompts and stop at EOS; tokens/s counts
-generated tokens (up to and including EOS). Also reports the engine start time and the time of one
-in-place weight update.
+generated tokens (up to and including EOS). Also vLLM's own `LLM.generate` on the same token ids
+without the strategy around it (`vllm_raw_tokens_per_s`: what is the library's; the rest, prompt
+tokenization, per-prompt seeds and packing the batch, is the engine's), the engine start time and
+the time of one in-place weight update.
 
     python scripts/bench_vllm.py [--prompts 32] [--n 1] [--new-tokens 64] [--hidden-size 512] [--num-layers 4]
         [--threads 1] [--json]
@@ -76,6 +78,16 @@ def main() -> None:
         def vllm_generate():
             return int(engine.generate(prompts, {"temperature": 1.0, "n": a.n}, P, R)["response_length"].sum())
 
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [TokensPrompt(prompt_token_ids=tokenizer(p)["input_ids"]) for p in prompts]
+        raw_params = SamplingParams(n=a.n, temperature=1.0, max_tokens=R, logprobs=0, detokenize=False)
+
+        def raw_generate():
+            outs = engine.llm.generate(ids, raw_params, use_tqdm=False)
+            return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
         def hf_generate():
             with torch.no_grad():
                 out = model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -85,9 +97,9 @@ def main() -> None:
             return int((out[:, batch["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum())
 
         # Interleaved, best of `repeats` after a warm-up: the fairest reading on a shared machine.
-        vllm_generate(), hf_generate()
-        runs = [(timed(vllm_generate), timed(hf_generate)) for _ in range(a.repeats)]
-        vllm_rate, hf_rate = (max(tokens / secs for secs, tokens in (run[i] for run in runs)) for i in (0, 1))
+        vllm_generate(), hf_generate(), raw_generate()
+        runs = [(timed(vllm_generate), timed(hf_generate), timed(raw_generate)) for _ in range(a.repeats)]
+        vllm_rate, hf_rate, raw_rate = (max(tokens / secs for secs, tokens in (run[i] for run in runs)) for i in (0, 1, 2))
         weights = load_file(f"{model_dir}/model.safetensors")
         load_s = min(timed(lambda: engine.load_weights(weights.items(), engine.weights_version + 1))[0]
                      for _ in range(a.repeats))
@@ -96,7 +108,7 @@ def main() -> None:
         result = {
             "hidden_size": a.hidden_size, "num_layers": a.num_layers, "prompts": a.prompts, "n": a.n,
             "new_tokens": R, "threads": a.threads, "enforce_eager": a.enforce_eager,
-            "vllm_tokens_per_s": round(vllm_rate), "hf_tokens_per_s": round(hf_rate),
+            "vllm_tokens_per_s": round(vllm_rate), "vllm_raw_tokens_per_s": round(raw_rate), "hf_tokens_per_s": round(hf_rate),
             "speedup": round(vllm_rate / hf_rate, 2),
             "engine_start_s": round(engine_start_s, 2), "load_weights_s": round(load_s, 4),
         }

@@ -138,7 +138,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),
                           LOGPROB_INPUTS + ["rollout_logprobs", "old_logprobs"])
         assert_same_logprobs(step)  # rollout and trainer agree on the initial weights (start() synced them)
-        assert rt.versions["actor_update"] == 1 and rt.synced == {"rollout": 0, "colo_rollout": 0}
+        assert rt.versions.trainer["actor_update"] == 1 and rt.versions.held == {"rollout": 0, "colo_rollout": 0}
 
         # staleness 0: a rollout still holding version 0 refuses to generate
         with pytest.raises(PipelineError, match="would generate with weights version 0, older than version 1"):
@@ -159,7 +159,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
             rt.run_step(prompts(4), step=1, nodes=["rollout"])
 
         both = rt.sync_weights()  # a new pipe, and the colocated rollout too
-        assert rt.synced == {"rollout": 1, "colo_rollout": 1}
+        assert rt.versions.held == {"rollout": 1, "colo_rollout": 1}
         # the probe: both engines compute the same log-probs of a fixed batch (fp32: within 1e-5 here)
         assert both["sync/rollout/probe_diff"] < 1e-4 and both["sync/colo_rollout/probe_diff"] < 1e-4
         assert both["sync/rollout/buckets"] > 5, "a small bucket size cuts the model into many buckets"
@@ -378,6 +378,7 @@ def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counte
     from types import SimpleNamespace
 
     from siirl_dag.weight_sync.syncs import WeightSyncs
+    from siirl_dag.weight_sync.versions import WeightVersions
     from test_config import BASE, write
 
     class Path:  # the path's own behaviour is tested above; here only the version it is given
@@ -388,12 +389,14 @@ def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counte
             self.versions.append(version)
             return {"sync/bytes": 1}
 
-    rt = SimpleNamespace(pipe=load_pipeline(write(tmp_path, BASE)), versions={"actor_update": 3}, trace=None)
+    pipe = load_pipeline(write(tmp_path, BASE))
+    rt = SimpleNamespace(pipe=pipe, versions=WeightVersions.of(pipe), trace=None)
+    rt.versions.trainer["actor_update"] = 3
     syncs = WeightSyncs(rt)
     syncs.paths["rollout"] = path = Path()
     assert "timing_s/sync_weights" in syncs.run(landed=frozenset({"actor_update"}))
-    assert path.versions == [4] and syncs.synced == {"rollout": 4}
-    rt.versions["actor_update"] = 4  # the update's job collected: nothing left to send
+    assert path.versions == [4] and rt.versions.held == {"rollout": 4}
+    rt.versions.trainer["actor_update"] = 4  # the update's job collected: nothing left to send
     assert syncs.run() == {} and path.versions == [4]
 
 

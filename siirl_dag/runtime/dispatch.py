@@ -25,7 +25,8 @@ from siirl_dag.runtime.step import COMPUTE, Job, NodeOutput, Running, Span, Step
 from siirl_dag.runtime.trace import Trace
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
-from siirl_dag.weight_sync.syncs import NOT_SYNCED, WeightSyncs
+from siirl_dag.weight_sync.syncs import WeightSyncs
+from siirl_dag.weight_sync.versions import NOT_SYNCED, WeightVersions
 
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
 
@@ -45,10 +46,9 @@ class Runtime:
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
         self.attempts: dict[str, int] = {}
         self.said: set = set()  # (metric, node) collisions reported
-        # weight versions: updates done by each training node, and (`syncs`) the version each consumer holds
-        self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
+        self.versions = WeightVersions.of(pipeline)  # the trainers' and, moved up by `weight_syncs`, their consumers'
         self.weight_syncs = WeightSyncs(self)
-        self.synced, self.routes = self.weight_syncs.synced, self.weight_syncs.routes
+        self.routes = self.weight_syncs.routes
         self.trace = Trace() if pipeline.trainer.trace else None  # trainer.trace: the run's timeline
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -89,9 +89,8 @@ class Runtime:
         if self.on_built:
             self.on_built(self)
         # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
-        if self.synced:
-            sources = {dst: self.pipe.nodes[dst].weights_from for dst in self.synced}
-            pairs = ", ".join(f"{dst} <- {src} v{self.versions[src]}" for dst, src in sources.items())
+        if self.versions.held:
+            pairs = ", ".join(f"{dst} <- {src} v{self.versions.trainer[src]}" for dst, src in self.versions.source.items())
             progress(f"[runtime] syncing weights: {pairs} ...")
             took = self.sync_weights().get("timing_s/sync_weights", 0.0)
             progress(f"[runtime] weights synced in {took:.2f} s")
@@ -216,7 +215,7 @@ class Runtime:
         trained = step if validating else step - 1
         seed_base = (pipe.trainer.seed * 1_000_003 + trained * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
         src = pipe.nodes[node_id].weights_from
-        min_version = max(0, self.versions[src] - pipe.runtime.staleness) if src else 0
+        min_version = max(0, self.versions.trainer[src] - pipe.runtime.staleness) if src else 0
         calls, ranks = [], []
         for worker, role in roles:
             lo, hi = ranges[role.dp_rank]
@@ -251,7 +250,7 @@ class Runtime:
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):
                 self.trace.span(self.group_of(run.node), f"rank {rank}", run.node, *info["span"], step=step, dp_rank=dp,
                                 rows=info["rows"], validating=validating,
-                                weights_version=self.versions.get(run.node, info["weights_version"]))
+                                weights_version=self.versions.trainer.get(run.node, info["weights_version"]))
         mesh = self.pipe.nodes[run.node].mesh
         if mesh and not validating:  # the mesh's fullest rank in this step (the plan's estimate is printed at start)
             key = f"memory/{mesh}/peak_gb"
@@ -263,8 +262,8 @@ class Runtime:
             tokens += info["tokens"] or []
             keys |= set(info["keys"])
         result.outputs[run.node] = NodeOutput(shards, keys, start, tokens)
-        if run.node in self.versions and not validating:
-            self.versions[run.node] += 1
+        if run.node in self.versions.trainer and not validating:
+            self.versions.trainer[run.node] += 1
         self._add_metrics(result, run.node, by_dp[0][2]["metrics"] if by_dp else {})
         result.metrics[f"timing_s/{run.node}"] = end - run.started
         result.spans.append(Span(run.node, step, job.part, run.started, end))
@@ -322,13 +321,13 @@ class Runtime:
         Rebuilt engines load the model from disk. A rollout engine is then brought back to its
         trainer's weights; a trainer that had already updated its weights cannot be brought back
         (its optimizer state died with it), so that is an error naming the way to resume."""
-        lost = {n: v for n, v in self.versions.items() if v and self.group_of(n) == group}
+        lost = {n: v for n, v in self.versions.trainer.items() if v and self.group_of(n) == group}
         if lost:
             names = ", ".join(f"'{n}' ({v} update{'s' if v > 1 else ''})" for n, v in lost.items())
             raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
                                 f"{names}; restarting it would silently start from the initial weights. Resume "
                                 "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
-        for dst in [d for d in self.synced if group in (self.group_of(d), self.group_of(self.pipe.nodes[d].weights_from))]:
+        for dst in [d for d, src in self.versions.source.items() if group in (self.group_of(d), self.group_of(src))]:
             self.weight_syncs.close(dst)  # its pipe has members that die now
         old = self.workers[group]
         for w in old:
@@ -339,11 +338,11 @@ class Runtime:
         if group != COMPUTE:
             self._init_group(new)
         self._add_roles(new)
-        behind = [dst for dst in self.synced if self.group_of(dst) == group]
+        behind = [dst for dst in self.versions.held if self.group_of(dst) == group]
         for dst in behind:
-            self.synced[dst] = NOT_SYNCED
+            self.versions.held[dst] = NOT_SYNCED
         if behind:  # a trainer of theirs still updating (another batch's job): its update lands first
-            sources = {self.pipe.nodes[dst].weights_from for dst in behind}
+            sources = {self.versions.source[dst] for dst in behind}
             landed = set()
             for other in [r for r in others if r.node in sources]:
                 try:

@@ -47,7 +47,7 @@ class Overlapped:
         self.training: int | None = None  # job id
 
     def _lag(self) -> int:
-        return max(self.rt.versions[src] - self.rt.synced[dst] for dst, src in self.pairs)
+        return max(self.rt.versions.behind(dst) for dst, _ in self.pairs)
 
     def step(self, next_source) -> Outcome:
         """Run until the next batch has trained. Its outcome's spans: of everything that ran meanwhile
@@ -127,7 +127,7 @@ class Overlapped:
             holder = given.result.outputs[dst if dst in given.result.outputs else SOURCE]
             batch = self.rt.gather(holder, ["weights_version", "token_weights_version"])
             versions, tokens = batch["weights_version"], batch["token_weights_version"]
-            lags += (self.rt.versions[src] - versions).tolist()
+            lags += (self.rt.versions.trainer[src] - versions).tolist()
             mixed += (tokens.max(dim=1).values > versions).tolist()  # tokens of more than one weight version
         if max(lags) > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
             raise PipelineError(f"step {given.batch}: samples {max(lags)} weight versions old exceed "

@@ -28,6 +28,7 @@ def imports(module: str) -> set[str]:
     ("siirl_dag.runtime.step", ("siirl_dag.runtime.scheduler", "siirl_dag.runtime.dispatch")),
     ("siirl_dag.runtime.scheduler", ("siirl_dag.runtime.dispatch", "siirl_dag.trainer")),
     ("siirl_dag.runtime.dispatch", ("siirl_dag.trainer",)),
+    ("siirl_dag.runtime.recovery", ("siirl_dag.runtime.dispatch", "siirl_dag.trainer")),
     ("siirl_dag.trainer.schedules", ("siirl_dag.trainer.loop",)),
     ("siirl_dag.trainer.schedules.sync", ("siirl_dag.trainer.loop", "siirl_dag.trainer.schedules.overlapped")),
     ("siirl_dag.trainer.schedules.overlapped", ("siirl_dag.trainer.loop", "siirl_dag.trainer.schedules.sync")),

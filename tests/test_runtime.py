@@ -235,7 +235,7 @@ def test_a_batch_whose_process_dies_is_retried_while_another_batch_trains(tmp_pa
         while not jobs.idle():
             done.update(jobs.wait())
         assert torch.equal(rt.gather(done[generating].outputs["flaky"], ["z"])["z"], torch.tensor([1.0, 101.0, 201.0]))
-        assert "update" in done[training].outputs and rt.versions.trainer["update"] == 1 and rt.attempts == {"flaky": 1}
+        assert "update" in done[training].outputs and rt.versions.trainer["update"] == 1 and rt.recovery.attempts == {"flaky": 1}
 
 
 def test_a_dead_trainer_is_not_restarted_from_the_initial_weights(tmp_path):

@@ -60,7 +60,7 @@ def _sync(self, step: int = 0, landed: frozenset = frozenset()) -> dict:
 @pytest.fixture(autouse=True)
 def stand_ins(monkeypatch):
     monkeypatch.setitem(STRATEGIES, "megatron", replace(STRATEGIES["megatron"], engine="runtime_kinds:EchoEngine"))
-    monkeypatch.setattr(Runtime, "_init_group", lambda self, workers: None)  # one process: no process group
+    monkeypatch.setattr(Runtime, "init_group", lambda self, workers: None)  # one process: no process group
     monkeypatch.setattr(WeightSyncs, "run", _sync)
     EVENTS.clear()
     assert runtime_kinds.t_rollout

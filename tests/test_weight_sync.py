@@ -364,7 +364,7 @@ def test_a_restarted_rollout_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go
     pair = ray_placed(ExportingEngine(6), RecordingEngine())
     old = streamed("shared_memory", pair)
     old.sync(1)
-    old.close()  # what Runtime._restart_group does before it replaces the rollout's workers
+    old.close()  # what runtime.recovery.Recovery._restart_group does before it replaces the rollout's workers
     new_worker = ray_worker("gen", "r", RecordingEngine())
     new = streamed("shared_memory", placed(pair.backend, pair.trainer_ranks[0][0], new_worker))
     assert new.sync(2)["sync/buckets"] == 3

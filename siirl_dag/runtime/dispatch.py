@@ -1,5 +1,5 @@
 """The single controller's dispatcher: builds worker groups from the plan, sends a node to its ranks
-and collects its output, retries a node that failed (which node runs when: `scheduler`).
+and collects its output (which node runs when: `scheduler`; a node that failed: `recovery`).
 
 The driver holds references only: a node's output stays with the workers (Ray object store) as
 per-rank shards, and each consumer rank fetches the row ranges it needs (`reshard`).
@@ -19,14 +19,15 @@ from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch
+from siirl_dag.runtime.recovery import Recovery
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
 from siirl_dag.runtime.scheduler import Scheduler
 from siirl_dag.runtime.step import COMPUTE, Job, NodeOutput, Running, Span, StepResult
 from siirl_dag.runtime.trace import Trace
-from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
+from siirl_dag.runtime.worker import RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.weight_sync.syncs import WeightSyncs
-from siirl_dag.weight_sync.versions import NOT_SYNCED, WeightVersions
+from siirl_dag.weight_sync.versions import WeightVersions
 
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
 
@@ -44,7 +45,7 @@ class Runtime:
         self.order = list(pipeline.nodes)
         # each node's ancestors, nearest (latest in DAG order) first: where its inputs come from
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
-        self.attempts: dict[str, int] = {}
+        self.recovery = Recovery(self)  # a failed node's retries, the restarts of a group whose process died
         self.said: set = set()  # (metric, node) collisions reported
         self.versions = WeightVersions.of(pipeline)  # the trainers' and, moved up by `weight_syncs`, their consumers'
         self.weight_syncs = WeightSyncs(self)
@@ -74,15 +75,15 @@ class Runtime:
             progress(f"[runtime] machines: {machines.describe(self.backend.machines)}")
         for name, mesh in pipe.plan.meshes.items():
             if mesh.colocated_with is None:
-                self.workers[name] = self._create_group(name)
-                self._init_group(self.workers[name])
-        self.workers[COMPUTE] = self._create_group(COMPUTE)
+                self.workers[name] = self.create_group(name)
+                self.init_group(self.workers[name])
+        self.workers[COMPUTE] = self.create_group(COMPUTE)
         self.roles = {node.id: self._roles_of(node) for node in pipe.nodes.values()}
         t = time.perf_counter()
         busy = {id(w) for pairs in self.roles.values() for w, _ in pairs}
         progress(f"[runtime] {self.backend.name}: building engines on {len(busy)} worker(s) ...")
         try:
-            self._add_roles([w for workers in self.workers.values() for w in workers])
+            self.add_roles([w for workers in self.workers.values() for w in workers])
         except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
@@ -96,7 +97,7 @@ class Runtime:
             progress(f"[runtime] weights synced in {took:.2f} s")
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
-    def _create_group(self, group: str) -> list:
+    def create_group(self, group: str) -> list:
         """The workers of an anchor mesh (one per rank), or the pool of one-rank compute workers."""
         if group == COMPUTE:
             return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]
@@ -104,12 +105,12 @@ class Runtime:
         world = mesh.dims.world_size
         return [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
 
-    def _init_group(self, workers: list) -> None:
+    def init_group(self, workers: list) -> None:
         """One torch.distributed group over a mesh's workers, rendezvous at rank 0."""
         addr, port = self.backend.get(self.backend.call(workers[0], RankWorker.address))
         self.backend.get([self.backend.call(w, RankWorker.init_distributed, addr, port) for w in workers])
 
-    def _add_roles(self, workers: list) -> None:
+    def add_roles(self, workers: list) -> None:
         """Send each of `workers` its roles (in node order) and let it build its engines."""
         wanted, per_worker = {id(w) for w in workers}, {}
         for pairs in self.roles.values():
@@ -241,7 +242,7 @@ class Runtime:
         try:
             infos = self.backend.get([c[1] for c in run.calls])
         except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
-            return self._retry_or_raise(run, exc, result, job, validating, others)
+            return self.recovery.retry_or_raise(run, exc, result, job, validating, others)
         end = time.perf_counter()
         local = self.backend.name == "local"
         by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
@@ -286,71 +287,6 @@ class Runtime:
                                   f"'{prefix}{node}/{name}'")
                 key = f"{prefix}{node}/{name}"
             result.metrics[key] = value
-
-    def _retry_or_raise(self, run: Running, exc: Exception, result, job: Job, validating, others) -> Running:
-        step = job.step
-        self.stop_if_machines_lost(step)
-        node = self.pipe.nodes[run.node]
-        cause = getattr(exc, "cause", None) or exc
-        tries = self.attempts.get(run.node, 0)
-        if tries < node.retry_limit:
-            self.attempts[run.node] = tries + 1
-            if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
-                self._restart_group(self.group_of(run.node), step, others)
-            return self.dispatch(run.node, result, job, validating, run.job)
-        if isinstance(cause, NodeError):
-            raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"
-                                f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
-        logs = f" (the ranks' logs: {self.log_dir}/)" if self.log_dir else ""
-        raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}{logs}") from None
-
-    def stop_if_machines_lost(self, step: int) -> None:
-        """A lost machine cannot be replaced mid-run (its ranks' state went with it): stop, naming it."""
-        lost = self.backend.lost_machines()
-        if not lost:
-            return
-        on = {m.index: [f"{name}:{r.rank}" for name, mesh in self.pipe.plan.meshes.items() for r in mesh.ranks
-                        if r.machine == m.index] for m in lost}
-        where = "; ".join(f"{m}, with ranks {', '.join(on[m.index]) or 'none'}" for m in lost)
-        raise PipelineError(f"step {step}: lost {where}. The run stopped; resume from its last checkpoint on a "
-                            "cluster with enough devices again: the same command (trainer.resume_mode=auto)")
-
-    def _restart_group(self, group: str, step: int, others: list[Running]) -> None:
-        """Replace a group's workers (one died), rebind their roles and rebuild their engines.
-
-        Rebuilt engines load the model from disk. A rollout engine is then brought back to its
-        trainer's weights; a trainer that had already updated its weights cannot be brought back
-        (its optimizer state died with it), so that is an error naming the way to resume."""
-        lost = {n: v for n, v in self.versions.trainer.items() if v and self.group_of(n) == group}
-        if lost:
-            names = ", ".join(f"'{n}' ({v} update{'s' if v > 1 else ''})" for n, v in lost.items())
-            raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
-                                f"{names}; restarting it would silently start from the initial weights. Resume "
-                                "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
-        for dst in [d for d, src in self.versions.source.items() if group in (self.group_of(d), self.group_of(src))]:
-            self.weight_syncs.close(dst)  # its pipe has members that die now
-        old = self.workers[group]
-        for w in old:
-            self.backend.kill(w)
-        new = self.workers[group] = self._create_group(group)
-        swap = {id(o): n for o, n in zip(old, new)}
-        self.roles = {node: [(swap.get(id(w), w), role) for w, role in pairs] for node, pairs in self.roles.items()}
-        if group != COMPUTE:
-            self._init_group(new)
-        self._add_roles(new)
-        behind = [dst for dst in self.versions.held if self.group_of(dst) == group]
-        for dst in behind:
-            self.versions.held[dst] = NOT_SYNCED
-        if behind:  # a trainer of theirs still updating (another batch's job): its update lands first
-            sources = {self.versions.source[dst] for dst in behind}
-            landed = set()
-            for other in [r for r in others if r.node in sources]:
-                try:
-                    self.backend.get([call[1] for call in other.calls])
-                    landed.add(other.node)
-                except Exception:  # noqa: BLE001 - it failed: no update landed; its own retry says why
-                    pass
-            self.weight_syncs.run(step, frozenset(landed))
 
     def sync_weights(self, step: int = 0) -> dict:
         """Every `weights_from` consumer up to its trainer's latest version (`weight_sync.syncs.WeightSyncs.run`)."""

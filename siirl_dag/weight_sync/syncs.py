@@ -49,7 +49,7 @@ class WeightSyncs:
                 stats = self._one(src, dst, version)
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
                 self.close(dst)  # a part may have stopped half-way: never used again
-                self.rt.stop_if_machines_lost(step)
+                self.rt.recovery.stop_if_machines_lost(step)
                 cause = getattr(exc, "cause", None) or exc
                 raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {version}, path "
                                     f"{self.routes[dst].path}) failed: {cause}") from None

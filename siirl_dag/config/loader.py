@@ -370,6 +370,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         raise ConfigError(located(problems))
     problems += dataflow.binding_problems(pipe)
     if not _errors(problems):
+        pipe.reads = dataflow.reads(pipe)
         pipe.rows, found = dataflow.rows_per_prompt(pipe)
         pipe.policies, pipe.serves = tuple(dataflow.policies(pipe)), dataflow.served_policies(pipe)
         pipe.scorers, more = dataflow.scorers(pipe)

@@ -201,6 +201,7 @@ class Pipeline:
     warnings: list[Problem] = field(default_factory=list)
     positions: dict = field(default_factory=dict, repr=False)  # key path -> (line, col) in `file`
     touched: dict = field(default_factory=dict, repr=False)  # key path -> the override that set it
+    reads: dict = field(default_factory=dict)  # node id -> {key: (its producer, its name there)} (dataflow.reads)
     rows: dict = field(default_factory=dict)  # node id -> rows per prompt of its input (dataflow.rows_per_prompt)
     serves: dict = field(default_factory=dict)  # node id -> the policy it works for (dataflow.served_policies)
     policies: tuple = ()  # the models sampled from and trained (dataflow.policies)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import networkx as nx
 
 from siirl_dag.errors import PipelineError
-from siirl_dag.dataflow import SOURCE, SOURCE_KEYS, producer
+from siirl_dag.dataflow import SOURCE, SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
@@ -155,7 +155,7 @@ class Runtime:
     def _tokenizer_for(self, node):
         """The model whose tokenizer decodes what a node reads: the writer of the responses it reads
         (a judge's or a second agent's are another model's); else its own; else its nearest upstream model's."""
-        writer = producer(self.pipe, node.id, "responses")[0] if "responses" in self.pipe.consumes(node.id) else SOURCE
+        writer = self.pipe.reads[node.id].get("responses", (SOURCE,))[0]
         model = (self.pipe.nodes[writer].model if writer != SOURCE else None) or node.model or \
             next((self.pipe.nodes[up].model for up in self.upstream[node.id] if self.pipe.nodes[up].model), None)
         return self.pipe.models[model] if model else None
@@ -173,21 +173,6 @@ class Runtime:
         mesh = self.pipe.nodes[node_id].mesh
         return self._anchor(mesh) if mesh else COMPUTE
 
-    def _owner(self, key: str, node_id: str, outputs: dict) -> tuple[str, str]:
-        """Where `node_id` reads `key` (dataflow.producer): (its binding's node, key), or the latest upstream
-        output holding it; the step's source batch where the producer did not run in this job (the second
-        phase of dynamic sampling gets the kept rows as its source)."""
-        bound = self.pipe.nodes[node_id].inputs.get(key)
-        if bound and bound[0] in outputs:
-            return bound
-        name = bound[1] if bound else key
-        for up in [] if bound else self.upstream[node_id]:
-            if up in outputs and key in outputs[up].keys:
-                return up, key
-        if name in outputs[SOURCE].keys or name in SOURCE_KEYS:
-            return SOURCE, name
-        raise KeyError(f"no output holds '{name}' for node '{node_id}'")
-
     def dispatch(self, node_id: str, result: StepResult, job: Job, validating: bool, job_id: int = 0) -> Running:
         """Send `node_id` to its ranks, each with its rows of the outputs it reads from `result`."""
         pipe, outputs, step, segment_tokens = self.pipe, result.outputs, job.step, job.segment_tokens
@@ -195,14 +180,13 @@ class Runtime:
         # per output read: (its key, the key as this node sees it)
         owners: dict[str, list[tuple[str, str]]] = {node_id: [(k, k) for k in sorted(outputs[node_id].keys)]} \
             if resuming else {}
-        # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
-        # per prompt) re-emits so that later nodes read it in their own row space
-        wanted = [] if resuming else list(pipe.consumes(node_id)) + [k for k in SOURCE_KEYS if k not in pipe.consumes(node_id)]
-        for key in wanted:
-            owner, name = self._owner(key, node_id, outputs)
-            if owner == SOURCE and name not in outputs[SOURCE].keys:
-                continue  # optional data column (extra_info, say) absent from this data set
-            owners.setdefault(owner, []).append((name, key))
+        for key, (owner, name) in ({} if resuming else pipe.reads[node_id]).items():  # decided at load (dataflow)
+            if owner not in outputs:  # its producer did not run in this job: the job's source holds the rows
+                owner = SOURCE  # (the second phase of dynamic sampling gets the kept rows as its source)
+            if name in outputs[owner].keys:
+                owners.setdefault(owner, []).append((name, key))
+            elif name not in SOURCE_KEYS:  # else an optional data column (extra_info, say) absent from this data set
+                raise KeyError(f"no output holds '{name}' for node '{node_id}'")
         if not owners:  # consumes nothing: sees the row space of its nearest upstream output
             owners[self._owner_of_rows(node_id, outputs)] = []
         space = outputs[next(iter(owners))]

@@ -188,9 +188,10 @@ def _checked(role: RoleSpec, batch: Batch, out) -> Batch:
                 ([f"returned undeclared key(s) {sorted(extra)}"] if extra else [])
         raise ValueError(f"node '{role.node.id}' (kind {role.kind.name}) " + " and ".join(parts) +
                          f"; its kind declares {sorted(declared)}")
-    if out.num_rows not in (batch.num_rows, 0) and not (set(out) & set(batch)):
+    if out.num_rows not in (batch.num_rows, 0) and not (role.kind.expands and set(out) & set(batch)):
         raise ValueError(f"node '{role.node.id}' returned {out.num_rows} rows for {batch.num_rows} input rows; "
-                         "a node that changes the row count must re-emit its input keys (ctx.expand)")
+                         "a node that changes the row count must declare expands=True and re-emit its input keys "
+                         "(ctx.expand): later nodes read them from it (dataflow)")
     return out
 
 

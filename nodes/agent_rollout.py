@@ -6,8 +6,9 @@ tokens, and the tools' answers are attended to (`attention_mask`) but never trai
 from nodes import agent_loop
 from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
+from nodes.tools import resolve_tool
 from siirl_dag.errors import Problem
-from siirl_dag.registry import node_kind, resolve_tool
+from siirl_dag.registry import node_kind
 
 STOP = "</tool_call>"  # a turn with a call ends there, and the tools answer
 

@@ -2,7 +2,8 @@
 
 from nodes import routing, templates
 from siirl_dag.errors import Problem
-from siirl_dag.registry import node_kind, resolve_tool
+from nodes.tools import resolve_tool
+from siirl_dag.registry import node_kind
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
             "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version",

@@ -97,7 +97,7 @@ def generate(model, tokenizer, rows: list[list[int]], max_new_tokens: int) -> li
 
 def greedy_accuracy(model, tokenizer, observe: Observations, test: list[list[int]]) -> tuple[float, float]:
     """(accuracy, share of well-formed calls), the calculator really called between the two turns."""
-    from siirl_dag.registry import resolve_tool
+    from nodes.tools import resolve_tool
 
     tools = {"calculator": resolve_tool("calculator")}
     firsts = [t.split("</tool_call>")[0] + "</tool_call>" for t in generate(

@@ -21,7 +21,8 @@ from siirl_dag.graph import build_graph, check_structure, parse_binding, phase_p
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.placement.memory import plan_memory
-from siirl_dag.registry import STRATEGIES, NodeKind, resolve_kind
+from siirl_dag.kinds import resolve_kind
+from siirl_dag.registry import STRATEGIES, NodeKind
 from siirl_dag.trainer.trackers import door_problems as tracker_problems
 from siirl_dag.weight_sync.routes import problems as sync_route_problems
 

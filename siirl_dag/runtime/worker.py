@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from siirl_dag import console
+from siirl_dag.refs import import_ref
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
@@ -87,8 +88,6 @@ class RankWorker(SyncRank):
 
     def add_roles(self, roles: list[RoleSpec]) -> list[str]:
         """Register roles and build their engines (model loading happens here, once)."""
-        from siirl_dag.registry import import_ref
-
         for role in roles:
             self.roles[role.node.id] = role
         for role in roles:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from siirl_dag.errors import PipelineError
+from siirl_dag.refs import import_ref
 from siirl_dag.weight_sync import probe
 from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Placed
@@ -93,8 +94,6 @@ class WeightSyncs:
 
     def _path(self, dst: str):
         """The SyncPath of `dst`'s route, over the ranks as they run now."""
-        from siirl_dag.registry import import_ref
-
         src, runtime = self.rt.pipe.nodes[dst].weights_from, self.rt.pipe.runtime
         placed = Placed(src, dst, self.rt.backend, [(w, r.engine_key) for w, r in self.rt.roles[src]],
                         [(w, r.engine_key) for w, r in self.rt.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),

@@ -29,7 +29,7 @@ from siirl_dag.errors import PipelineError
 from siirl_dag.graph import phases_of
 from siirl_dag.runtime.scheduler import Scheduler
 from siirl_dag.runtime.step import Job, Span, StepResult
-from siirl_dag.trainer.schedules import Outcome
+from siirl_dag.trainer.schedules.outcome import Outcome
 from siirl_dag.trainer.schedules.generation import Generated, Generation
 
 

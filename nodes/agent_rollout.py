@@ -44,7 +44,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
            params_schema="agent_rollout", check=_check, expands=True, check_data=_template_fits, prompt_lengths=_prompt_lengths)
 def agent_rollout(batch, ctx):
     """Trajectories of up to max_turns turns (n per prompt, one greedy in validation)."""
-    from siirl_dag.strategies.rollout_layout import Sample, pack_batch, prompt_token_ids
+    from siirl_dag.strategies.samples import Sample, pack_batch, prompt_token_ids
 
     ctx.check_weights_version()
     engine, p, data = ctx.engine, ctx.node.params, ctx.data

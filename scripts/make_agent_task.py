@@ -72,7 +72,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def prompt_ids(tokenizer, numbers) -> list[int]:
-    from siirl_dag.strategies.rollout_layout import prompt_token_ids
+    from siirl_dag.strategies.samples import prompt_token_ids
 
     return prompt_token_ids(tokenizer, prompt_of(numbers), True)
 

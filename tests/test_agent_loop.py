@@ -19,7 +19,7 @@ from siirl_dag.config import load_pipeline
 from siirl_dag.errors import ConfigError, format_path
 from nodes.tools import resolve_tool
 from siirl_dag.registry import tool
-from siirl_dag.strategies.rollout_layout import Sample
+from siirl_dag.strategies.samples import Sample
 
 
 @pytest.fixture(scope="module")

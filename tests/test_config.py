@@ -790,7 +790,7 @@ def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
     assert p.path == ("nodes", 0, "mesh") and "shares devices [0, 1] with the training side" in p.message
     # dynamic sampling: the filter and its ancestors generate ahead, round after round
     filtered = load_pipeline(write(tmp_path, FILTERED), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
-    assert schedule.ahead_nodes(filtered) == {"rollout", "reward", "filter"} == phases_of(filtered).first
+    assert schedule.generating_nodes(filtered) == {"rollout", "reward", "filter"} == phases_of(filtered).first
     load_pipeline(write(tmp_path, FILTERED), ["runtime.schedule=async", "runtime.staleness=1",
                                                "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=4"])
     pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off", "runtime.staleness=1"])

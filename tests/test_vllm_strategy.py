@@ -125,7 +125,7 @@ def test_greedy_is_deterministic_and_matches_hf(vllm_engine, tiny_model_dir):
 def test_a_rollout_in_segments_is_the_rollout_in_one_go(vllm_engine, tiny_model_dir):
     """Partial rollouts: segments of 5 tokens, each continued after its prompt and the tokens so far,
     give greedy's tokens; every token's log-prob is HF's for the sample as a whole."""
-    from siirl_dag.strategies.rollout_layout import PARTIAL, unpack_batch
+    from siirl_dag.strategies.samples import PARTIAL, unpack_batch
 
     whole = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
     out, segments = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R, max_new_tokens=5), 1

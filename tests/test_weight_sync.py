@@ -353,7 +353,7 @@ def test_a_failed_export_fails_the_load_and_keeps_the_old_version():
 
 def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
     """Ray names a channel buffer's two semaphores after its raylet and does not always unlink them."""
-    from test_leftovers import planted
+    from test_orphan_files import planted
 
     with planted("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
         streamed("shared_memory", ray_placed(ExportingEngine(3), RecordingEngine())).sync(1)

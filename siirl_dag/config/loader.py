@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from siirl_dag.config import door, lora, roll_compat, schedule, schema
+from siirl_dag.config import door, roll_compat, schedule, schema
+from siirl_dag.models import lora
 from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec,
                                       vocabulary_differs)
@@ -238,7 +239,7 @@ def _data_warnings(pipe: Pipeline) -> list[Problem]:
 
 
 def _read_models(raw: dict, problems: list[Problem]) -> dict[str, ModelSpec]:
-    """Model specs, each `lora:` block checked against its model's HF config (config.lora)."""
+    """Model specs, each `lora:` block checked against its model's HF config (models.lora)."""
     models = {}
     for name, fields in raw.items():
         model = ModelSpec(name, **{**fields, "lora": None})

@@ -13,7 +13,7 @@ from typing import Any
 
 import networkx as nx
 
-from siirl_dag.config.lora import LoraSpec
+from siirl_dag.models.lora import LoraSpec
 from siirl_dag.config.schema import describe, validate
 from siirl_dag.config.yaml_loader import locate
 from siirl_dag.errors import ConfigError, Problem, format_path
@@ -32,7 +32,7 @@ class ModelSpec:
     dtype: str
     trust_remote_code: bool
     override_config: dict
-    lora: LoraSpec | None = None  # config.lora: checked against the model at the door
+    lora: LoraSpec | None = None  # models.lora: checked against the model at the door
 
     @property
     def tokenizer_path(self) -> str:

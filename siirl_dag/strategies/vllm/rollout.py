@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from siirl_dag import orphan_files
-from siirl_dag.config.lora import payload
+from siirl_dag.models.lora import payload
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
@@ -57,7 +57,7 @@ class VllmRollout(Strategy):
     def __init__(self, ctx: RankContext, model: Any, options: dict[str, Any]):
         super().__init__(ctx, model, resolve_options(options))
         self.tp, self.weights_version = ctx.dims.tp, 0
-        # LoRA: served as adapters, or (config.lora.payload) as weights with them merged in
+        # LoRA: served as adapters, or (models.lora.payload) as weights with them merged in
         self.lora, self._lora_request = self.model_field("lora"), None
         self.adapters = payload(self.lora, "cpu" if cpu_compat.active() else "cuda")[0] == "adapters"
         # True while the engine holds no complete weights: load_format dummy, a level-2 sleep, a failed load

@@ -54,7 +54,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def ray_session():
     from siirl_dag.runtime.backends import init_ray, stop_ray
 
@@ -125,6 +125,8 @@ def _zero_half_of_a_tensor(worker: RankWorker) -> None:
         cls.read = corrupted
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_model_dir, moe_model_dir, layout):
     train, world, moe, path, gen = LAYOUTS[layout]
@@ -316,6 +318,8 @@ def streamed(name: str, pair: Placed):
     return {"shared_memory": SharedMemory, "process_group": ProcessGroup}[name](pair)
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("path", STREAMED)
 def test_every_bucket_reaches_every_rollout_rank_sync_after_sync_though_the_engine_keeps_references(path):
     pair = ray_placed(ExportingEngine(9), RecordingEngine(), RecordingEngine(retain=True))
@@ -328,6 +332,8 @@ def test_every_bucket_reaches_every_rollout_rank_sync_after_sync_though_the_engi
         assert rollout.values == [float(i) for i in range(9)] * 3, "each tensor holds its own data when loaded"
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("path", STREAMED)
 def test_a_failed_load_still_takes_the_whole_stream_and_close_retires_the_pipe_on_every_rank(path):
     pair = ray_placed(ExportingEngine(40), RecordingEngine(fail_at="w3", fail_once=True))
@@ -343,6 +349,8 @@ def test_a_failed_load_still_takes_the_whole_stream_and_close_retires_the_pipe_o
     assert engines(pair)[1].version == 2
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_failed_export_fails_the_load_and_keeps_the_old_version():
     pair = ray_placed(ExportingEngine(40, fail_at=7), RecordingEngine())
     with pytest.raises(Exception, match="gather failed"):
@@ -351,6 +359,8 @@ def test_a_failed_export_fails_the_load_and_keeps_the_old_version():
     assert rollout.version == 0 and rollout.loaded == [f"w{i}" for i in range(6)]  # w6 was in the failed bucket
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
     """Ray names a channel buffer's two semaphores after its raylet and does not always unlink them."""
     from test_orphan_files import planted
@@ -360,6 +370,8 @@ def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
         assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_restarted_rollout_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go():
     pair = ray_placed(ExportingEngine(6), RecordingEngine())
     old = streamed("shared_memory", pair)
@@ -545,6 +557,7 @@ def _group_member(rank: int, port: int, results) -> None:
             time.sleep(90)  # still holding the group, as a failed sync's traceback may
 
 
+@pytest.mark.engines
 def test_readers_of_a_process_group_whose_reader_died_fail_at_once_not_after_the_timeout():
     import multiprocessing as mp
 

@@ -3,24 +3,15 @@
 
 from __future__ import annotations
 
-from siirl_dag.refs import user_ref
+from siirl_dag.refs import registered_or_user
 from siirl_dag.registry import KINDS, NodeKind
 
 
 def resolve_kind(ref: str) -> NodeKind:
-    """A registered name, or `module:function` for a function decorated with @node_kind.
-
-    Raises LookupError with a message fit for the user; importing the module runs the user's code,
-    so whatever that raises (SyntaxError, sys.exit, ...) becomes such a message too.
-    """
+    """A registered name, or `module:function` for a function decorated with @node_kind; LookupError with
+    a message fit for the user otherwise (importing the module runs the user's code: whatever that
+    raises, SyntaxError, sys.exit, ..., becomes such a message too)."""
     import nodes  # noqa: F401 - registers the built-in kinds; imported when first needed, as they import
     # strategy modules that import the config package, which imports this module
-
-    if ref in KINDS:
-        return KINDS[ref]
-    fn = user_ref(ref, "node kind", KINDS)
-    kind = getattr(fn, "node_kind", None)
-    if not isinstance(kind, NodeKind):
-        raise LookupError(f"'{ref}' is not a node kind; expected a function decorated with "
-                          "@siirl_dag.registry.node_kind(consumes=..., produces=...)")
-    return kind
+    return registered_or_user(ref, "node kind", KINDS, "node_kind", NodeKind,
+                              "@siirl_dag.registry.node_kind(consumes=..., produces=...)")

@@ -25,6 +25,17 @@ def user_ref(ref: str, what: str, known: dict) -> Any:
     return found
 
 
+def registered_or_user(ref: str, what: str, registered: dict, attr: str, expected: type, decorator: str) -> Any:
+    """A `registered` name, or a user's `module:function` whose decorator (`decorator`) set `attr` on it to
+    an `expected`; LookupError fit for the user otherwise (a node kind, a tool)."""
+    if ref in registered:
+        return registered[ref]
+    found = getattr(user_ref(ref, what, registered), attr, None)
+    if not isinstance(found, expected):
+        raise LookupError(f"'{ref}' is not a {what}; expected a function decorated with {decorator}")
+    return found
+
+
 def import_ref(ref: str) -> Any:
     """Import `module:attr` (a strategy's engine class, a weight-sync path, for instance)."""
     module_name, _, attr = ref.partition(":")

@@ -43,7 +43,8 @@ class Runtime:
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
         self.order = list(pipeline.nodes)
-        # each node's ancestors, nearest (latest in DAG order) first: where its inputs come from
+        # each node's ancestors, nearest (latest in DAG order) first: the row space of a node that reads nothing,
+        # the model whose tokenizer it falls back to (what it reads: `pipe.reads`)
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
         self.recovery = Recovery(self)  # a failed node's retries, the restarts of a group whose process died
         self.said: set = set()  # (metric, node) collisions reported

@@ -1,10 +1,12 @@
 """The layers of a step import one way (docs/ARCHITECTURE.md, "Layers and the flow of a step"):
 runtime.step <- runtime.scheduler <- runtime.dispatch, and the schedules never import the trainer loop;
-and no module of siirl_dag or nodes imports itself back through others."""
+and no module of siirl_dag or nodes imports itself back through others, nor fails imported first."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -52,3 +54,22 @@ def test_no_module_imports_itself_back():
     """Adding a node kind stays one new file plus one line: the registry never imports `nodes`."""
     graph = nx.DiGraph((m, i) for m in MODULES for i in imports(m) & MODULES if i != m)
     assert list(nx.simple_cycles(graph)) == []
+
+
+FIRST = """import importlib, sys
+for module in sys.argv[1:]:
+    for name in [n for n in sys.modules if n.split(".")[0] in ("siirl_dag", "nodes")]:
+        del sys.modules[name]
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        print(module, repr(exc))
+"""
+
+
+def test_every_module_imports_before_any_other_of_ours():
+    """As a Ray worker or a script may: a package's __init__ that leads back to the module importing
+    it (which the graph above, of explicit imports, does not show) fails here."""
+    modules = sorted(m for m in MODULES if not m.endswith("__main__"))
+    res = subprocess.run([sys.executable, "-c", FIRST, *modules], cwd=TOP, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout == "", res.stdout + res.stderr[-2000:]

@@ -6,8 +6,9 @@ tokens, and the tools' answers are attended to (`attention_mask`) but never trai
 from nodes import agent_loop
 from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
+from nodes.tools import resolve_tool
 from siirl_dag.errors import Problem
-from siirl_dag.registry import node_kind, resolve_tool
+from siirl_dag.registry import node_kind
 
 STOP = "</tool_call>"  # a turn with a call ends there, and the tools answer
 
@@ -43,7 +44,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
            params_schema="agent_rollout", check=_check, expands=True, check_data=_template_fits, prompt_lengths=_prompt_lengths)
 def agent_rollout(batch, ctx):
     """Trajectories of up to max_turns turns (n per prompt, one greedy in validation)."""
-    from siirl_dag.strategies.rollout_layout import Sample, pack_batch, prompt_token_ids
+    from siirl_dag.strategies.samples import Sample, pack_batch, prompt_token_ids
 
     ctx.check_weights_version()
     engine, p, data = ctx.engine, ctx.node.params, ctx.data

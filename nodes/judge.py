@@ -11,7 +11,8 @@ import re
 
 from nodes import templates
 from siirl_dag.errors import Problem
-from siirl_dag.registry import user_ref, node_kind
+from siirl_dag.refs import user_ref
+from siirl_dag.registry import node_kind
 
 
 def _consumes(params) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 
 from nodes import routing, templates
 from siirl_dag.errors import Problem
-from siirl_dag.registry import node_kind, resolve_tool
+from nodes.tools import resolve_tool
+from siirl_dag.registry import node_kind
 
 PRODUCES = ("prompts", "prompt_mask", "responses", "response_mask", "input_ids", "attention_mask",
             "position_ids", "rollout_logprobs", "response_length", "finish_reason", "weights_version",
@@ -76,7 +77,7 @@ def _prompt_lengths(node, pipeline, data) -> list[int]:
         what = what and {**what, "prompt_template": template}
 
     def count(rows):
-        from siirl_dag.strategies.rollout_layout import prompt_token_ids  # torch, as the tokenizer: only to count
+        from siirl_dag.strategies.samples import prompt_token_ids  # torch, as the tokenizer: only to count
 
         tokenizer = model.load_tokenizer()
         if not template:
@@ -136,7 +137,7 @@ def rollout(batch, ctx):
     sample's oldest). In a partial rollout (runtime.partial_rollout) a call generates a segment of
     `ctx.segment_tokens`, and the next call, given this node's own output, continues the samples it
     cut short with the weights held then."""
-    from siirl_dag.strategies.rollout_layout import unpack_batch
+    from siirl_dag.strategies.samples import unpack_batch
 
     ctx.check_weights_version()
     sampling = {"greedy": True} if ctx.validating else {"seed": ctx.seed}

@@ -118,7 +118,7 @@ def fitted(template: str, values: dict, count, limit: int) -> tuple[str | None, 
 
 def fitted_rows(template: str, rows: list[dict], engine, limit: int) -> list[tuple[str | None, bool]]:
     """`fitted` for each row's values, counted as `engine` (a vLLM rollout strategy) tokenizes a prompt."""
-    from siirl_dag.strategies.rollout_layout import prompt_token_ids  # torch: only where an engine runs
+    from siirl_dag.strategies.samples import prompt_token_ids  # torch: only where an engine runs
 
     def count(text: str) -> int:
         return len(prompt_token_ids(engine.tokenizer, text, engine.options["chat_template"]))

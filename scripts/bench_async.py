@@ -60,7 +60,7 @@ def main() -> None:
         for name in SCHEDULES:
             runs[name], pipe = run(a.pipeline, a.steps, name)
         med = lambda steps, key: statistics.median(m.get(key, 0.0) for m in steps)  # noqa: E731
-        ahead, sync = schedule.ahead_nodes(pipe), runs["sync"]
+        ahead, sync = schedule.generating_nodes(pipe), runs["sync"]
         rollout = statistics.median(sum(m.get(f"timing_s/{n}", 0.0) for n in ahead) for m in sync)
         rest = med(sync, "timing_s/step") - rollout
         bound = max(rollout, rest)

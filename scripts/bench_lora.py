@@ -39,7 +39,7 @@ def training(model: str, rank: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     from bench_megatron import make_batch, pg_loss
-    from siirl_dag.config.lora import ATTENTION, MLP, LoraSpec
+    from siirl_dag.models.lora import ATTENTION, MLP, LoraSpec
     from siirl_dag.strategies.base import RankContext
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 

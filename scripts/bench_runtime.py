@@ -43,7 +43,7 @@ def _tokens(rows: int, tokens: int, made: dict = {}) -> dict:  # noqa: B006 - th
     return made[rows, tokens]
 
 
-@node_kind("bench_gen", consumes=("raw_prompt",), produces=TOKEN_KEYS, strategies=("megatron",))
+@node_kind("bench_gen", consumes=("raw_prompt",), produces=TOKEN_KEYS, strategies=("megatron",), expands=True)
 def bench_gen(batch, ctx):
     n, tokens = ctx.params["n"], ctx.params["tokens"]
     index = torch.arange(batch.num_rows).repeat_interleave(n)

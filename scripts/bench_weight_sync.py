@@ -123,7 +123,7 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         # syncs as after every update: the version moves on, the rollout falls behind
         def sync() -> dict:
-            rt.versions["actor_update"] += 1
+            rt.versions.trainer["actor_update"] += 1
             return rt.sync_weights()
 
         warmup = sync()  # the start-up sync made the pipe; this one pays first uses of its buffers

@@ -72,7 +72,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def prompt_ids(tokenizer, numbers) -> list[int]:
-    from siirl_dag.strategies.rollout_layout import prompt_token_ids
+    from siirl_dag.strategies.samples import prompt_token_ids
 
     return prompt_token_ids(tokenizer, prompt_of(numbers), True)
 
@@ -97,7 +97,7 @@ def generate(model, tokenizer, rows: list[list[int]], max_new_tokens: int) -> li
 
 def greedy_accuracy(model, tokenizer, observe: Observations, test: list[list[int]]) -> tuple[float, float]:
     """(accuracy, share of well-formed calls), the calculator really called between the two turns."""
-    from siirl_dag.registry import resolve_tool
+    from nodes.tools import resolve_tool
 
     tools = {"calculator": resolve_tool("calculator")}
     firsts = [t.split("</tool_call>")[0] + "</tool_call>" for t in generate(

@@ -8,8 +8,8 @@
 - The policy each node serves: a pipeline that trains several policies prefixes each node's
   metrics with it (`<policy>/actor/pg_loss`); with one, verl's names stay as they are.
 
-The runtime follows the same rules (`runtime.dispatch.Runtime.dispatch`), so what `validate` accepts
-is what a step reads.
+The runtime follows the same decisions (`reads`, kept as `Pipeline.reads`), so what `validate`
+accepts is what a step reads.
 """
 
 from __future__ import annotations
@@ -43,6 +43,17 @@ def producer(pipe, node: str, key: str) -> tuple[str, str]:
     if bound:
         return bound
     return next(((up, key) for up in _ancestors_latest_first(pipe, node) if key in holds(pipe, up)), (SOURCE, key))
+
+
+def reads(pipe) -> dict[str, dict[str, tuple[str, str]]]:
+    """Per node, every key it reads (by the name it reads it under) -> `producer`'s answer: the keys it
+    consumes, then the data loader's per-prompt keys, which a node that expands rows re-emits so that
+    later nodes read them in their own row space."""
+    out = {}
+    for n in pipe.nodes:
+        consumed = pipe.consumes(n)
+        out[n] = {key: producer(pipe, n, key) for key in (*consumed, *(k for k in SOURCE_KEYS if k not in consumed))}
+    return out
 
 
 def binding_problems(pipe) -> list[Problem]:

@@ -2,15 +2,15 @@
 
 A node kind is a function that runs one node on a batch, decorated with `@node_kind(...)`, which
 records its data contract (keys consumed and produced), the strategies it can run on, and the
-schema of its params. Built-in kinds live in the top-level `nodes/` package; a user's own kind is
-named in the YAML as `module:function`.
+schema of its params. Built-in kinds live in the top-level `nodes/` package, which imports this
+module and nothing imports back here: looking a kind up by name is `siirl_dag.kinds`', a tool
+`nodes.tools`'. A user's own kind is named in the YAML as `module:function`.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import Callable, Sequence, Union
 
 from siirl_dag.strategies.megatron.spec import SPEC as MEGATRON
 from siirl_dag.strategies.spec import StrategySpec
@@ -59,7 +59,7 @@ class NodeKind:
         return bool(self.strategies)
 
 
-_KINDS: dict[str, NodeKind] = {}
+KINDS: dict[str, NodeKind] = {}  # name -> kind, as `node_kind` registers them (the built-ins: `siirl_dag.kinds`)
 
 # Strategies: name -> its spec (strategies/<name>/spec.py): adding one is one spec file plus one line here.
 STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (VLLM, MEGATRON)}
@@ -77,9 +77,9 @@ def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = 
                         expands)
         fn.node_kind = kind
         if name is not None:
-            if name in _KINDS and _origin(_KINDS[name].fn) != _origin(fn):
-                raise ValueError(f"node kind '{name}' is registered twice ({_origin(_KINDS[name].fn)} and {_origin(fn)})")
-            _KINDS[name] = kind
+            if name in KINDS and _origin(KINDS[name].fn) != _origin(fn):
+                raise ValueError(f"node kind '{name}' is registered twice ({_origin(KINDS[name].fn)} and {_origin(fn)})")
+            KINDS[name] = kind
         return fn
 
     return register
@@ -90,56 +90,6 @@ def _origin(fn: Callable) -> tuple[str, str]:
     imported by a worker) registers the same kind, not a conflicting one."""
     code = getattr(fn, "__code__", None)
     return (code.co_filename if code else fn.__module__, fn.__qualname__)
-
-
-def _load_builtin_kinds() -> None:
-    importlib.import_module("nodes")
-
-
-def registered_kinds() -> dict[str, NodeKind]:
-    _load_builtin_kinds()
-    return dict(_KINDS)
-
-
-def resolve_kind(ref: str) -> NodeKind:
-    """A registered name, or `module:function` for a function decorated with @node_kind.
-
-    Raises LookupError with a message fit for the user; importing the module runs the user's code,
-    so whatever that raises (SyntaxError, sys.exit, ...) becomes such a message too.
-    """
-    kinds = registered_kinds()
-    if ref in kinds:
-        return kinds[ref]
-    fn = user_ref(ref, "node kind", kinds)
-    kind = getattr(fn, "node_kind", None)
-    if not isinstance(kind, NodeKind):
-        raise LookupError(f"'{ref}' is not a node kind; expected a function decorated with "
-                          "@siirl_dag.registry.node_kind(consumes=..., produces=...)")
-    return kind
-
-
-def user_ref(ref: str, what: str, known: dict) -> Any:
-    """The object a user's `module:attr` names; LookupError fit for the user otherwise. Importing the
-    module runs the user's code, so whatever that raises (SyntaxError, sys.exit, ...) becomes one too."""
-    module_name, colon, attr = ref.partition(":")
-    if not (colon and module_name and attr):
-        raise LookupError(f"unknown {what} '{ref}'; expected one of: {', '.join(sorted(known))}, or module:function")
-    try:
-        found = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:
-        raise LookupError(f"cannot import module '{module_name}' of {what} '{ref}' ({type(exc).__name__}: {exc}); "
-                          "expected an importable module") from None
-    for part in attr.split("."):
-        found = getattr(found, part, None)
-        if found is None:
-            raise LookupError(f"module '{module_name}' has no '{attr}' ({what} '{ref}')")
-    return found
-
-
-def import_ref(ref: str) -> Any:
-    """Import `module:attr` (a strategy's engine class, a weight-sync path, for instance)."""
-    module_name, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
 
 
 # ---- tools an agent rollout may call ------------------------------------------------------------------
@@ -160,7 +110,7 @@ class Tool:
                                                  "parameters": self.parameters}}
 
 
-_TOOLS: dict[str, Tool] = {}
+TOOLS: dict[str, Tool] = {}  # name -> tool, as `tool` registers them (the built-ins: `nodes.tools`)
 
 
 def tool(name: str | None = None, *, parameters: dict, description: str = "",
@@ -172,21 +122,7 @@ def tool(name: str | None = None, *, parameters: dict, description: str = "",
         fn.tool = Tool(name or fn.__name__, fn, description or (fn.__doc__ or "").strip().split("\n")[0],
                        parameters, available)
         if name is not None:
-            _TOOLS[name] = fn.tool
+            TOOLS[name] = fn.tool
         return fn
 
     return register
-
-
-def resolve_tool(ref: str) -> Tool:
-    """A built-in tool's name, or `module:function` for a function decorated with @tool; LookupError
-    with a message fit for the user otherwise."""
-    importlib.import_module("nodes.tools")
-    if ref in _TOOLS:
-        return _TOOLS[ref]
-    fn = user_ref(ref, "tool", _TOOLS)
-    found = getattr(fn, "tool", None)
-    if not isinstance(found, Tool):
-        raise LookupError(f"'{ref}' is not a tool; expected a function decorated with "
-                          "@siirl_dag.registry.tool(parameters={...JSON Schema...})")
-    return found

@@ -12,13 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import pytest  # noqa: E402
 
-# The modules whose tests start a vLLM engine, Megatron ranks or Ray (marked `engines`); `make test-fast`
-# runs the rest: config, graph, placement, algorithms, pictures, packaging.
-ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_e2e_algorithms", "test_e2e_async", "test_loss_normalization",
-                  "test_weight_sync", "test_lora_sync", "test_megatron_lora", "test_vllm_strategy", "test_runtime", "test_cuda",
-                  "test_megatron_checkpoint", "test_megatron_cpu_compat", "test_megatron_critic",
-                  "test_megatron_engine", "test_megatron_hf_convert", "test_memory_measured", "test_e2e_agent", "test_kill_driver",
-                  "test_multinode", "test_e2e_compose"}
+# The modules all of whose tests start a vLLM engine, Megatron ranks or Ray (marked `engines`); in other
+# modules such a test carries @pytest.mark.engines itself. `make test-fast` runs the rest: config, graph,
+# placement, algorithms, pictures, packaging.
+ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_e2e_algorithms", "test_e2e_async", "test_lora_sync",
+                  "test_megatron_lora", "test_cuda", "test_megatron_checkpoint", "test_megatron_cpu_compat",
+                  "test_megatron_critic", "test_memory_measured", "test_e2e_agent", "test_kill_driver", "test_e2e_compose"}
 # Options of the session engine; tests that compare against HF need fp32.
 VLLM_TEST_OPTIONS = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 256, "enforce_eager": True}
 

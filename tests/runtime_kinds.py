@@ -31,7 +31,7 @@ class BrokenEngine(Strategy):
         raise RuntimeError("no such model")
 
 
-@node_kind("t_expand", consumes=("raw_prompt",), produces=("x",), strategies=("megatron",))
+@node_kind("t_expand", consumes=("raw_prompt",), produces=("x",), strategies=("megatron",), expands=True)
 def t_expand(batch, ctx):
     """n rows per prompt; x = 100 * prompt number + sample index."""
     n = ctx.params.get("n", 1)
@@ -90,7 +90,8 @@ EVENTS: list = []  # what ran, in order, in this process (the local backend): te
 
 
 @node_kind("t_rollout", consumes=("raw_prompt",), produces=("x", "weights_version", "token_weights_version",
-                                                            "finish_reason"), strategies=("megatron",), resumes=True)
+                                                            "finish_reason"), strategies=("megatron",), resumes=True,
+           expands=True)
 def t_rollout(batch, ctx):
     """Stands in for a rollout: n rows per prompt (x as t_expand's), stamped with the version its engine holds.
     Samples of two tokens: in segments (ctx.segment_tokens) the first cuts them short, the second ends them."""

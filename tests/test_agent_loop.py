@@ -17,8 +17,9 @@ from nodes.tool_calls import Observations, make_call, parse_calls
 from nodes.tools.calculator import calculator, evaluate
 from siirl_dag.config import load_pipeline
 from siirl_dag.errors import ConfigError, format_path
-from siirl_dag.registry import resolve_tool, tool
-from siirl_dag.strategies.rollout_layout import Sample
+from nodes.tools import resolve_tool
+from siirl_dag.registry import tool
+from siirl_dag.strategies.samples import Sample
 
 
 @pytest.fixture(scope="module")

@@ -39,19 +39,19 @@ runtime: {schedule: one_step_off}
 
 def test_frozen_nodes_reading_only_generated_rows_run_ahead_off_the_training_devices(tmp_path):
     # the reference model shares the rollout's device: it computes beside the update (driver-side nodes stay)
-    assert schedule.ahead_nodes(load(tmp_path, TEXT)) == {"rollout", "ref_logprob"}
+    assert schedule.generating_nodes(load(tmp_path, TEXT)) == {"rollout", "ref_logprob"}
     assert "rollout, ref_logprob run up to 1 batch ahead of reward, advantage, actor_update" in \
         schedule.describe(load(tmp_path, TEXT))
     # on the training side's device it waits for the update's turn, as before
     beside_train = TEXT.replace("colocate_with: gen", "colocate_with: train")
-    assert schedule.ahead_nodes(load(tmp_path, beside_train)) == {"rollout"}
+    assert schedule.generating_nodes(load(tmp_path, beside_train)) == {"rollout"}
     # on a device of its own it runs ahead too
     alone = TEXT.replace('ref: {alloc: "megatron:d1", colocate_with: gen}', "ref: megatron:d1")
-    assert schedule.ahead_nodes(load(tmp_path, alone)) == {"rollout", "ref_logprob"}
+    assert schedule.generating_nodes(load(tmp_path, alone)) == {"rollout", "ref_logprob"}
     # a node computing with the weights the update moves stays behind
     moving = TEXT.replace("mesh: ref, model: policy, params: {output: ref_logprobs}",
                           "mesh: train, model: policy, params: {output: ref_logprobs}")
-    assert schedule.ahead_nodes(load(tmp_path, moving)) == {"rollout"}
+    assert schedule.generating_nodes(load(tmp_path, moving)) == {"rollout"}
     # and so does one after a driver-side node, which on the rollout's device the door refuses: no overlap
     after_reward = TEXT.replace("deps: [rollout], mesh: ref", "deps: [reward], mesh: ref")
     (p,) = errors(tmp_path, after_reward)

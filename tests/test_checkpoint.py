@@ -21,6 +21,7 @@ from siirl_dag.errors import ConfigError
 from siirl_dag.runtime import PipelineError
 from siirl_dag.trainer import checkpoint
 from siirl_dag.trainer.loop import Trainer
+from siirl_dag.weight_sync.versions import WeightVersions
 
 MODEL = {"model_type": "qwen2", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 64, "tie_word_embeddings": True}
@@ -53,7 +54,7 @@ class FakeRuntime:
     """What Trainer.save and _restore_engines use of the runtime; engine calls write placeholder files."""
 
     def __init__(self, fail: BaseException | None = None):
-        self.versions, self.synced, self.fail = {"actor_update": 0}, {"rollout": 0}, fail
+        self.versions, self.fail = WeightVersions({"actor_update": 0}, {"rollout": 0}, {"rollout": "actor_update"}), fail
 
     def engine_call(self, node, method, folder):
         if self.fail:

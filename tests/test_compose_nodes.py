@@ -11,7 +11,7 @@ import torch
 from nodes import templates
 from nodes.judge import _parser, _score
 from pipeline_files import load, messages
-from siirl_dag.registry import registered_kinds
+from siirl_dag.kinds import resolve_kind
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.context import NodeContext
 
@@ -64,7 +64,7 @@ def test_a_judge_parser_that_raises_gives_no_score():
 
 
 def run_kind(name: str, params: dict, batch: Batch) -> tuple[dict, dict]:
-    kind = registered_kinds()[name]
+    kind = resolve_kind(name)
     from siirl_dag.config.schema import validate
 
     validate(params, f"nodes/{kind.params_schema}.schema.json")  # fills defaults

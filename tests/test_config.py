@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import glob
+import io
 import json
 import shutil
 import subprocess
 import sys
 import textwrap
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -257,7 +259,21 @@ def test_device_lists_name_each_device_once_in_ascii_digits(text, message):
     assert message in str(info.value)
 
 
-def run_cli(*args):
+def run_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m siirl_dag.main ARGS` called in this process: its exit status and what it printed."""
+    from siirl_dag.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_cli_process(*args) -> subprocess.CompletedProcess:
+    """The same command as a process of its own: the exit status and output a user's shell sees."""
     return subprocess.run([sys.executable, "-m", "siirl_dag.main", *args], capture_output=True, text=True, timeout=120)
 
 
@@ -292,10 +308,10 @@ def test_validate_and_a_refused_run_do_not_load_torch(tmp_path, tiny_model_dir):
 
 
 def test_cli_validate_ok_and_errors(tmp_path):
-    ok = run_cli("validate", str(write(tmp_path, BASE)))
+    ok = run_cli_process("validate", str(write(tmp_path, BASE)))
     assert ok.returncode == 0 and "is valid" in ok.stdout and "actor_update" in ok.stdout
     bad = write(tmp_path, BASE.replace("total_steps", "total_step"), "bad.yaml")
-    res = run_cli("validate", str(bad))
+    res = run_cli_process("validate", str(bad))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert f"{bad}:{line_of(bad.read_text(), 'total_step')}:11: trainer.total_step: unknown key" in res.stderr
     js = run_cli("validate", str(bad), "--json")
@@ -790,7 +806,7 @@ def test_one_step_off_needs_staleness_and_meshes_of_its_own(tmp_path):
     assert p.path == ("nodes", 0, "mesh") and "shares devices [0, 1] with the training side" in p.message
     # dynamic sampling: the filter and its ancestors generate ahead, round after round
     filtered = load_pipeline(write(tmp_path, FILTERED), ["runtime.schedule=one_step_off", "runtime.staleness=1"])
-    assert schedule.ahead_nodes(filtered) == {"rollout", "reward", "filter"} == phases_of(filtered).first
+    assert schedule.generating_nodes(filtered) == {"rollout", "reward", "filter"} == phases_of(filtered).first
     load_pipeline(write(tmp_path, FILTERED), ["runtime.schedule=async", "runtime.staleness=1",
                                                "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=4"])
     pipe = load_pipeline(write(tmp_path, BASE), ["runtime.schedule=one_step_off", "runtime.staleness=1"])

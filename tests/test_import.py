@@ -131,7 +131,7 @@ echo done
         "trainer.nnodes": 2, "trainer.n_gpus_per_node": 8, "actor_rollout_ref.actor.optim.lr": 1e-6,
         "actor_rollout_ref.model.path": "m"}
     assert src.line("trainer.n_gpus_per_node") == 8
-    left = {x.key: x.why for x in src.leftovers()}
+    left = {x.key: x.why for x in src.not_carried()}
     assert "command substitution" in left["trainer.default_local_dir"] and "$@" in left
 
 

@@ -200,12 +200,15 @@ def test_megatron_rules(spec, options, model_info, fragment):
 
 
 def test_valid_megatron_setups_pass():
-    place(ClusterSpec(1, 10), [
+    """Every rule above satisfied at once: placed, each mesh on its own devices, with no warning."""
+    plan = place(ClusterSpec(1, 10), [
         mesh("a", "megatron:d1p2t2e2", options={"virtual_pipeline_model_parallel_size": 2, **SP},
              model_info={"num_layers": 8, "num_experts": 4}),
         mesh("b", "megatron:d4", options={"virtual_pipeline_model_parallel_size": 1}, model_info={"num_layers": 3}),
         mesh("c", "megatron:(attn:d1t2|ffn:d1t1e2)", options=SP, model_info={"num_experts": 4}),
     ])
+    assert {name: m.devices for name, m in plan.meshes.items()} == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
+    assert plan.devices_used == 10 and plan.warnings == []
 
 
 def test_cpu_refuses_context_parallel_and_grouped_gemm():

@@ -48,6 +48,7 @@ def test_uneven_lengths_are_in_the_batch():
     assert len(set(lengths.tolist())) > 2
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("mode", MODES)
 def test_micro_batches_of_one_give_the_whole_batch_loss(results, mode):
     one, _ = results
@@ -56,6 +57,7 @@ def test_micro_batches_of_one_give_the_whole_batch_loss(results, mode):
     assert single == pytest.approx(whole, rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("mode", MODES)
 def test_two_data_parallel_ranks_give_one_rank_loss(results, mode):
     one, two = results

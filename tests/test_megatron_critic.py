@@ -153,7 +153,7 @@ def test_hf_export_loads_as_a_token_classifier(one_rank):
 
 
 def _lora_critic(rank, world, path, ckpt, peft_dir):
-    from siirl_dag.config.lora import ATTENTION, MLP, LoraSpec
+    from siirl_dag.models.lora import ATTENTION, MLP, LoraSpec
 
     spec = LoraSpec(8, 16.0, frozenset(ATTENTION + MLP))
     eng = _engine(rank, world, path, {}, OPTS, spec)

@@ -65,6 +65,7 @@ CASES = {
 }
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_layouts_match_one_rank(case, models):
     model, sizes, opts = CASES[case]
@@ -147,6 +148,7 @@ def _hf_adamw(path: str, opts: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.engines
 def test_optimizer_step_is_adamw(one_rank):
     path, out = one_rank
     original, expected = hf_state(path), _hf_adamw(path, ADAMW)
@@ -159,11 +161,13 @@ def test_optimizer_step_is_adamw(one_rank):
     assert out["adamw_metrics"]["lr"] == ADAMW["lr"]
 
 
+@pytest.mark.engines
 def test_lr_warmup_then_decay(one_rank):
     # step k uses lr(k): warm-up reaches lr at step 2, then linear decay to min_lr (0) at step 4
     assert one_rank[1]["lrs"] == pytest.approx([5e-3, 1e-2, 5e-3, 0.0])
 
 
+@pytest.mark.engines
 def test_dynamic_micro_batches_follow_the_token_budget(one_rank):
     out = one_rank[1]
     assert (out["dynamic_micro"], out["fixed2_micro"], out["fixed4_micro"]) == (2, 2, 4)
@@ -204,6 +208,7 @@ def _cp_round_trip(rank, world):
     return part.detach(), gathered.detach(), full.grad
 
 
+@pytest.mark.engines
 def test_context_parallel_split_and_gather():
     """The CP data path (the model side needs TE attention, i.e. a GPU): megatron's load-balanced
     chunks out, the whole sequence back, and each rank's grad only on its own positions."""

@@ -57,6 +57,7 @@ CASES = {
 }
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_logprobs_and_export_match_hf(case, tmp_path):
     arch, world, sizes, opts, overrides = CASES[case]

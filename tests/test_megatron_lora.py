@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import dims, make_batch, make_tiny_hf, run_ranks
-from siirl_dag.config.lora import ATTENTION, MLP, LoraSpec
+from siirl_dag.models.lora import ATTENTION, MLP, LoraSpec
 from siirl_dag.strategies.base import RankContext
 from test_megatron_engine import OPTS, _gather_dp, pg_loss
 

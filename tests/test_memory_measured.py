@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import dims, make_batch, make_tiny_hf, run_ranks
-from siirl_dag.config.model_shape import ModelShape
+from siirl_dag.models.shape import ModelShape
 from siirl_dag.placement.memory import MeshWork
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.strategies.megatron.memory import estimate

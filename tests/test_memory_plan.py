@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from siirl_dag.config import load_pipeline
-from siirl_dag.config.model_shape import ModelShape
+from siirl_dag.models.shape import ModelShape
 from siirl_dag.errors import ConfigError
 from siirl_dag.main import main
 

@@ -100,6 +100,7 @@ def test_plan_keeps_tensor_parallel_groups_inside_machines(tmp_path, capsys):
     assert [r["machine"] for r in meshes["gen"]["ranks"]] == [1, 1]
 
 
+@pytest.mark.engines
 def test_a_lost_node_stops_the_run_and_the_same_command_resumes_across_nodes(tmp_path, cluster, tiny_model_dir, demo_data):
     head, nodes = cluster
     (tmp_path / "pipeline.yaml").write_text(pipeline(tmp_path, tiny_model_dir, demo_data))

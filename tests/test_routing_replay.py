@@ -205,7 +205,7 @@ def test_packed_routes_sit_under_their_tokens_and_survive_a_partial_rollouts_unp
     import numpy as np
 
     from siirl_dag.strategies.megatron import batching
-    from siirl_dag.strategies.rollout_layout import Sample, pack_batch, unpack_batch
+    from siirl_dag.strategies.samples import Sample, pack_batch, unpack_batch
 
     def routes(n):  # token t routed to experts (t, t+1) of every layer
         return np.stack([np.arange(n), np.arange(n) + 1], -1)[:, None, :].repeat(2, 1).astype(np.uint8)

@@ -28,7 +28,7 @@ runtime: {backend: ray, cpus_per_rank: 0.25}
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def ray_session():
     from siirl_dag.runtime.backends import init_ray, stop_ray
 
@@ -52,6 +52,8 @@ def prompts(k):
     return Batch(meta={"raw_prompt": [f"prompt {i}" for i in range(k)], "uid": [str(i) for i in range(k)]})
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_concurrent_branches_fan_out_and_order(tmp_path):
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1", b: "megatron:d2", c: "megatron:d1"}
@@ -72,6 +74,8 @@ def test_concurrent_branches_fan_out_and_order(tmp_path):
     assert res.span("join").start >= max(res.span("left").end, res.span("right").end)
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_resharding_between_dp_sizes_with_uneven_rows(tmp_path):
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1", b: "megatron:d2", c: "megatron:d3"}
@@ -91,6 +95,8 @@ def test_resharding_between_dp_sizes_with_uneven_rows(tmp_path):
     assert sum(s.stop - s.start for s in res.outputs["three"].shards) == 7
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_colocated_meshes_share_processes(tmp_path):
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1", b: {alloc: "megatron:d1", colocate_with: a}, c: "megatron:d1"}
@@ -108,6 +114,8 @@ def _alive(pids):
     return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d2"}
@@ -151,6 +159,8 @@ def _rank_workers() -> set[int]:
     return set(_descendants(os.getpid(), lambda p: (p.cmdline() or [""])[0].startswith("ray::RankWorker")))
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
     import time
 
@@ -169,6 +179,8 @@ def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
     assert not _rank_workers() - before, "the workers of a failed start must be gone"
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_rollouts_get_their_trainers_weights_at_start_and_a_failed_sync_names_the_pair(tmp_path):
     """The echo engine can neither export nor load weights: the start-up sync fails, as one
     PipelineError naming the pair and whichever end failed first."""
@@ -183,6 +195,8 @@ def test_rollouts_get_their_trainers_weights_at_start_and_a_failed_sync_names_th
             pass
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_undeclared_output_is_an_error(tmp_path):
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1"}
@@ -194,6 +208,8 @@ def test_undeclared_output_is_an_error(tmp_path):
         rt.run_step(prompts(2), step=0)
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("retries", [0, 1])
 def test_retry_restarts_a_dead_actor(tmp_path, retries):
     marker = tmp_path / "marker"
@@ -212,6 +228,8 @@ def test_retry_restarts_a_dead_actor(tmp_path, retries):
                 rt.run_step(prompts(3), step=0)
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_batch_whose_process_dies_is_retried_while_another_batch_trains(tmp_path):
     """async: the generating side dies mid-batch while the training side works on an earlier batch;
     the retry rebuilds its mesh and re-runs it, and the update in flight is kept."""
@@ -235,9 +253,11 @@ def test_a_batch_whose_process_dies_is_retried_while_another_batch_trains(tmp_pa
         while not jobs.idle():
             done.update(jobs.wait())
         assert torch.equal(rt.gather(done[generating].outputs["flaky"], ["z"])["z"], torch.tensor([1.0, 101.0, 201.0]))
-        assert "update" in done[training].outputs and rt.versions["update"] == 1 and rt.attempts == {"flaky": 1}
+        assert "update" in done[training].outputs and rt.versions.trainer["update"] == 1 and rt.recovery.attempts == {"flaky": 1}
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_dead_trainer_is_not_restarted_from_the_initial_weights(tmp_path):
     """After an update the trainer's state lives only in its process: a restart must not hide its loss."""
     pipe = pipeline(tmp_path, f"""
@@ -252,6 +272,8 @@ def test_a_dead_trainer_is_not_restarted_from_the_initial_weights(tmp_path):
         rt.run_step(prompts(3), step=0)
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_local_and_ray_give_identical_results(tmp_path):
     body = """
         meshes: {a: "megatron:d1", b: "megatron:d1"}
@@ -297,6 +319,8 @@ def test_local_backend_refuses_multi_rank_meshes(tmp_path):
         Runtime(pipe).start()
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     """SIGINT during a step: exit 130 with a one-line message, and the run's Ray is gone."""
     import signal

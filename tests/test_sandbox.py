@@ -94,7 +94,7 @@ def test_killing_the_parent_kills_nothing_outside():
 
 
 def test_the_tool_is_registered_with_its_schema():
-    from siirl_dag.registry import resolve_tool
+    from nodes.tools import resolve_tool
 
     tool = resolve_tool("python")
     assert tool.parameters["required"] == ["code"] and tool.fn(code="print(6*7)") == "42\n"

@@ -46,13 +46,12 @@ def _hold(worker, engine_key: str, version: int) -> None:
 
 def _sync(self, step: int = 0, landed: frozenset = frozenset()) -> dict:
     """WeightSyncs.run's stand-in: each rollout's engine told the version it now holds."""
-    metrics = {}
-    for dst, have in self.synced.items():
-        src = self.rt.pipe.nodes[dst].weights_from
-        version = self.rt.versions[src] + (src in landed)
+    metrics, versions = {}, self.rt.versions
+    for dst, have in versions.held.items():
+        version = versions.trainer[versions.source[dst]] + (versions.source[dst] in landed)
         if have < version:
             self.rt.engine_call(dst, _hold, version)
-            self.synced[dst] = version
+            versions.held[dst] = version
             EVENTS.append(("sync", step, version))
             metrics["timing_s/sync_weights"] = 0.0
     return metrics
@@ -61,7 +60,7 @@ def _sync(self, step: int = 0, landed: frozenset = frozenset()) -> dict:
 @pytest.fixture(autouse=True)
 def stand_ins(monkeypatch):
     monkeypatch.setitem(STRATEGIES, "megatron", replace(STRATEGIES["megatron"], engine="runtime_kinds:EchoEngine"))
-    monkeypatch.setattr(Runtime, "_init_group", lambda self, workers: None)  # one process: no process group
+    monkeypatch.setattr(Runtime, "init_group", lambda self, workers: None)  # one process: no process group
     monkeypatch.setattr(WeightSyncs, "run", _sync)
     EVENTS.clear()
     assert runtime_kinds.t_rollout
@@ -87,7 +86,7 @@ def prompts():
 def train(pipe, steps: int, in_flight=(), versions=None) -> list:
     """`steps` steps of the pipeline's schedule; their outcomes."""
     with Runtime(pipe, progress=lambda *_: None) as rt:
-        rt.versions.update(versions or {})
+        rt.versions.trainer.update(versions or {})
         schedule, next_source = schedules.make(pipe, rt, 0, steps, list(in_flight)), prompts()
         return [schedule.step(next_source) for _ in range(steps)]
 
@@ -125,7 +124,7 @@ def test_a_batch_older_than_the_bound_is_refused(tmp_path):
     pipe = pipeline(tmp_path, PLAIN, "runtime.schedule=one_step_off", "runtime.staleness=1")
     with Runtime(pipe, progress=lambda *_: None) as rt:
         old = Generated(1, rt.run_step(prompts()(1), 1, nodes={"gen"}))
-        rt.versions["update"] = 2
+        rt.versions.trainer["update"] = 2
         schedule = schedules.make(pipe, rt, 0, 2, [old])
         with pytest.raises(PipelineError, match=r"step 1: samples 2 weight versions old exceed runtime.staleness = 1"):
             schedule.step(prompts())

@@ -53,6 +53,7 @@ def perturb(state_dict, seed=0):
 
 # --- layout -----------------------------------------------------------------------------------
 
+@pytest.mark.engines
 def test_layout_shapes_and_masks(vllm_engine):
     out = vllm_engine.generate(PROMPTS, {"seed": 1}, P, R)
     B = len(PROMPTS)
@@ -77,6 +78,7 @@ def test_layout_shapes_and_masks(vllm_engine):
     assert out["sample_index"] == [0, 1, 2]
 
 
+@pytest.mark.engines
 def test_token_id_prompts_and_chat_template(vllm_engine):
     tok = vllm_engine.tokenizer
     ids = tok.encode("Q: 1+1=? A:")
@@ -91,6 +93,7 @@ def test_token_id_prompts_and_chat_template(vllm_engine):
     assert torch.equal(listed["prompts"], chat["prompts"]) and torch.equal(listed["responses"], chat["responses"])
 
 
+@pytest.mark.engines
 def test_n_samples_are_grouped(vllm_engine):
     out = vllm_engine.generate(PROMPTS[:2], {"n": 3, "seed": 7}, P, R)
     assert out["sample_index"] == [0, 0, 0, 1, 1, 1]
@@ -101,6 +104,7 @@ def test_n_samples_are_grouped(vllm_engine):
         assert len({tuple(r.tolist()) for r in out["responses"][group]}) > 1  # samples differ
 
 
+@pytest.mark.engines
 def test_seed_reproducible_and_distinct_per_prompt(vllm_engine):
     a = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 5}, P, R)
     b = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 5}, P, R)
@@ -111,6 +115,7 @@ def test_seed_reproducible_and_distinct_per_prompt(vllm_engine):
     assert not torch.equal(a["responses"], c["responses"])
 
 
+@pytest.mark.engines
 def test_greedy_is_deterministic_and_matches_hf(vllm_engine, tiny_model_dir):
     a = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
     b = vllm_engine.generate(PROMPTS, {"greedy": True, "seed": 123}, P, R)
@@ -122,10 +127,11 @@ def test_greedy_is_deterministic_and_matches_hf(vllm_engine, tiny_model_dir):
         assert hf[0, ids.shape[1]:].tolist() == a["responses"][row].tolist()
 
 
+@pytest.mark.engines
 def test_a_rollout_in_segments_is_the_rollout_in_one_go(vllm_engine, tiny_model_dir):
     """Partial rollouts: segments of 5 tokens, each continued after its prompt and the tokens so far,
     give greedy's tokens; every token's log-prob is HF's for the sample as a whole."""
-    from siirl_dag.strategies.rollout_layout import PARTIAL, unpack_batch
+    from siirl_dag.strategies.samples import PARTIAL, unpack_batch
 
     whole = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)
     out, segments = vllm_engine.generate(PROMPTS, {"greedy": True}, P, R, max_new_tokens=5), 1
@@ -140,6 +146,7 @@ def test_a_rollout_in_segments_is_the_rollout_in_one_go(vllm_engine, tiny_model_
     assert torch.allclose(out["rollout_logprobs"][mask], ref[mask], atol=1e-3)
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_match_hf(vllm_engine, tiny_model_dir, temperature):
     out = vllm_engine.generate(PROMPTS, {"n": 2, "seed": 11, "temperature": temperature}, P, R)
@@ -161,6 +168,7 @@ def stop_candidate(response: list[int], tokenizer) -> int:
     pytest.skip("sampled response has no token to stop on")
 
 
+@pytest.mark.engines
 def test_stop_strings_and_stop_token_ids(vllm_engine):
     sampling = {"seed": 3}  # same seed: the same tokens up to the stop
     full = vllm_engine.generate(PROMPTS[:1], sampling, P, R)["responses"][0].tolist()
@@ -174,11 +182,13 @@ def test_stop_strings_and_stop_token_ids(vllm_engine):
 
 # --- errors -------------------------------------------------------------------------------------
 
+@pytest.mark.engines
 def test_too_long_prompt_is_refused(vllm_engine):
     with pytest.raises(ConfigError, match=r"prompt 1 has 30 tokens.*max_prompt_length=24"):
         vllm_engine.generate(["ok", "x" * 30], None, P, R)
 
 
+@pytest.mark.engines
 def test_bad_lengths_and_keys_are_refused(vllm_engine):
     with pytest.raises(ConfigError, match="max_tokens=20 exceeds max_response_length=12"):
         vllm_engine.generate(["ok"], {"max_tokens": 20}, P, R)
@@ -196,6 +206,7 @@ def test_options_are_checked_before_any_engine_starts(tiny_model_dir):
 
 # --- weights ------------------------------------------------------------------------------------
 
+@pytest.mark.engines
 def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine, tiny_model_dir):
     original = checkpoint(tiny_model_dir)
     perturbed = perturb(original)
@@ -233,6 +244,7 @@ def test_weight_update_changes_outputs_and_restore_brings_them_back(vllm_engine,
     assert torch.equal(vllm_engine.generate(PROMPTS, {"greedy": True}, P, R)["responses"], before["responses"])
 
 
+@pytest.mark.engines
 def test_offload_onload_keep_the_engine_usable(vllm_engine):
     before = vllm_engine.generate(PROMPTS[:1], {"greedy": True}, P, R)
     vllm_engine.offload()
@@ -272,6 +284,7 @@ def updates(model_dir, folder, *seeds):
     return out
 
 
+@pytest.mark.engines
 @pytest.mark.parametrize("dp", [1, 2], ids=["d1t2", "d2t2"])
 def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny_model_dir, tmp_path, dp):
     """d2t2: four ranks make two engines of two shards each; every rank must see its engine's batch."""
@@ -288,6 +301,7 @@ def test_tensor_parallel_2_matches_t1_and_takes_weight_updates(vllm_engine, tiny
                                        hf_logprobs(hf_model(tiny_model_dir, state), batch)[mask], atol=1e-4, rtol=0)
 
 
+@pytest.mark.engines
 def test_moe_model_with_untied_head_takes_weight_updates(tmp_path):
     from make_tiny_model import make_tiny_model
 

@@ -54,7 +54,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def ray_session():
     from siirl_dag.runtime.backends import init_ray, stop_ray
 
@@ -125,6 +125,8 @@ def _zero_half_of_a_tensor(worker: RankWorker) -> None:
         cls.read = corrupted
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_model_dir, moe_model_dir, layout):
     train, world, moe, path, gen = LAYOUTS[layout]
@@ -138,7 +140,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
         step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),
                           LOGPROB_INPUTS + ["rollout_logprobs", "old_logprobs"])
         assert_same_logprobs(step)  # rollout and trainer agree on the initial weights (start() synced them)
-        assert rt.versions["actor_update"] == 1 and rt.synced == {"rollout": 0, "colo_rollout": 0}
+        assert rt.versions.trainer["actor_update"] == 1 and rt.versions.held == {"rollout": 0, "colo_rollout": 0}
 
         # staleness 0: a rollout still holding version 0 refuses to generate
         with pytest.raises(PipelineError, match="would generate with weights version 0, older than version 1"):
@@ -159,7 +161,7 @@ def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_mo
             rt.run_step(prompts(4), step=1, nodes=["rollout"])
 
         both = rt.sync_weights()  # a new pipe, and the colocated rollout too
-        assert rt.synced == {"rollout": 1, "colo_rollout": 1}
+        assert rt.versions.held == {"rollout": 1, "colo_rollout": 1}
         # the probe: both engines compute the same log-probs of a fixed batch (fp32: within 1e-5 here)
         assert both["sync/rollout/probe_diff"] < 1e-4 and both["sync/colo_rollout/probe_diff"] < 1e-4
         assert both["sync/rollout/buckets"] > 5, "a small bucket size cuts the model into many buckets"
@@ -316,6 +318,8 @@ def streamed(name: str, pair: Placed):
     return {"shared_memory": SharedMemory, "process_group": ProcessGroup}[name](pair)
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("path", STREAMED)
 def test_every_bucket_reaches_every_rollout_rank_sync_after_sync_though_the_engine_keeps_references(path):
     pair = ray_placed(ExportingEngine(9), RecordingEngine(), RecordingEngine(retain=True))
@@ -328,6 +332,8 @@ def test_every_bucket_reaches_every_rollout_rank_sync_after_sync_though_the_engi
         assert rollout.values == [float(i) for i in range(9)] * 3, "each tensor holds its own data when loaded"
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("path", STREAMED)
 def test_a_failed_load_still_takes_the_whole_stream_and_close_retires_the_pipe_on_every_rank(path):
     pair = ray_placed(ExportingEngine(40), RecordingEngine(fail_at="w3", fail_once=True))
@@ -343,6 +349,8 @@ def test_a_failed_load_still_takes_the_whole_stream_and_close_retires_the_pipe_o
     assert engines(pair)[1].version == 2
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_failed_export_fails_the_load_and_keeps_the_old_version():
     pair = ray_placed(ExportingEngine(40, fail_at=7), RecordingEngine())
     with pytest.raises(Exception, match="gather failed"):
@@ -351,20 +359,24 @@ def test_a_failed_export_fails_the_load_and_keeps_the_old_version():
     assert rollout.version == 0 and rollout.loaded == [f"w{i}" for i in range(6)]  # w6 was in the failed bucket
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_new_channel_removes_the_semaphores_ended_ray_sessions_left_behind():
     """Ray names a channel buffer's two semaphores after its raylet and does not always unlink them."""
-    from test_leftovers import planted
+    from test_orphan_files import planted
 
     with planted("sem.obj{pid}-1795323247401977351", "sem.hdr{pid}-1795323247401977351") as (stale, live):
         streamed("shared_memory", ray_placed(ExportingEngine(3), RecordingEngine())).sync(1)
         assert not any(map(os.path.exists, stale)) and all(map(os.path.exists, live))
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
 def test_a_restarted_rollout_gets_a_new_pipe_and_the_trainer_lets_the_old_one_go():
     pair = ray_placed(ExportingEngine(6), RecordingEngine())
     old = streamed("shared_memory", pair)
     old.sync(1)
-    old.close()  # what Runtime._restart_group does before it replaces the rollout's workers
+    old.close()  # what runtime.recovery.Recovery._restart_group does before it replaces the rollout's workers
     new_worker = ray_worker("gen", "r", RecordingEngine())
     new = streamed("shared_memory", placed(pair.backend, pair.trainer_ranks[0][0], new_worker))
     assert new.sync(2)["sync/buckets"] == 3
@@ -378,6 +390,7 @@ def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counte
     from types import SimpleNamespace
 
     from siirl_dag.weight_sync.syncs import WeightSyncs
+    from siirl_dag.weight_sync.versions import WeightVersions
     from test_config import BASE, write
 
     class Path:  # the path's own behaviour is tested above; here only the version it is given
@@ -388,12 +401,14 @@ def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counte
             self.versions.append(version)
             return {"sync/bytes": 1}
 
-    rt = SimpleNamespace(pipe=load_pipeline(write(tmp_path, BASE)), versions={"actor_update": 3}, trace=None)
+    pipe = load_pipeline(write(tmp_path, BASE))
+    rt = SimpleNamespace(pipe=pipe, versions=WeightVersions.of(pipe), trace=None)
+    rt.versions.trainer["actor_update"] = 3
     syncs = WeightSyncs(rt)
     syncs.paths["rollout"] = path = Path()
     assert "timing_s/sync_weights" in syncs.run(landed=frozenset({"actor_update"}))
-    assert path.versions == [4] and syncs.synced == {"rollout": 4}
-    rt.versions["actor_update"] = 4  # the update's job collected: nothing left to send
+    assert path.versions == [4] and rt.versions.held == {"rollout": 4}
+    rt.versions.trainer["actor_update"] = 4  # the update's job collected: nothing left to send
     assert syncs.run() == {} and path.versions == [4]
 
 
@@ -542,6 +557,7 @@ def _group_member(rank: int, port: int, results) -> None:
             time.sleep(90)  # still holding the group, as a failed sync's traceback may
 
 
+@pytest.mark.engines
 def test_readers_of_a_process_group_whose_reader_died_fail_at_once_not_after_the_timeout():
     import multiprocessing as mp
 

@@ -68,7 +68,7 @@ def main(args) -> int:
                           "memory": pipe.memory.to_json() if pipe.memory else None,
                           "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings],
                           "schedule": {"name": pipe.runtime.schedule, "staleness": pipe.runtime.staleness,
-                                       "ahead": sorted(schedule.ahead_nodes(pipe)) if pipe.runtime.schedule != "sync" else [],
+                                       "ahead": sorted(schedule.generating_nodes(pipe)) if pipe.runtime.schedule != "sync" else [],
                                        "depth": schedule.depth(pipe.runtime)},
                           "timings": timings.read(pipe.out_dir)}, indent=2))
         return 0

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from siirl_dag.config import door, lora, roll_compat, schedule, schema
+from siirl_dag.config import door, roll_compat, schedule, schema
+from siirl_dag.models import lora
 from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec,
                                       vocabulary_differs)
@@ -21,7 +22,8 @@ from siirl_dag.graph import build_graph, check_structure, parse_binding, phase_p
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.placement.memory import plan_memory
-from siirl_dag.registry import STRATEGIES, NodeKind, resolve_kind
+from siirl_dag.kinds import resolve_kind
+from siirl_dag.registry import STRATEGIES, NodeKind
 from siirl_dag.trainer.trackers import door_problems as tracker_problems
 from siirl_dag.weight_sync.routes import problems as sync_route_problems
 
@@ -237,7 +239,7 @@ def _data_warnings(pipe: Pipeline) -> list[Problem]:
 
 
 def _read_models(raw: dict, problems: list[Problem]) -> dict[str, ModelSpec]:
-    """Model specs, each `lora:` block checked against its model's HF config (config.lora)."""
+    """Model specs, each `lora:` block checked against its model's HF config (models.lora)."""
     models = {}
     for name, fields in raw.items():
         model = ModelSpec(name, **{**fields, "lora": None})
@@ -370,6 +372,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         raise ConfigError(located(problems))
     problems += dataflow.binding_problems(pipe)
     if not _errors(problems):
+        pipe.reads = dataflow.reads(pipe)
         pipe.rows, found = dataflow.rows_per_prompt(pipe)
         pipe.policies, pipe.serves = tuple(dataflow.policies(pipe)), dataflow.served_policies(pipe)
         pipe.scorers, more = dataflow.scorers(pipe)

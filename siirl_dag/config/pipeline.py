@@ -13,7 +13,7 @@ from typing import Any
 
 import networkx as nx
 
-from siirl_dag.config.lora import LoraSpec
+from siirl_dag.models.lora import LoraSpec
 from siirl_dag.config.schema import describe, validate
 from siirl_dag.config.yaml_loader import locate
 from siirl_dag.errors import ConfigError, Problem, format_path
@@ -32,7 +32,7 @@ class ModelSpec:
     dtype: str
     trust_remote_code: bool
     override_config: dict
-    lora: LoraSpec | None = None  # config.lora: checked against the model at the door
+    lora: LoraSpec | None = None  # models.lora: checked against the model at the door
 
     @property
     def tokenizer_path(self) -> str:
@@ -201,6 +201,7 @@ class Pipeline:
     warnings: list[Problem] = field(default_factory=list)
     positions: dict = field(default_factory=dict, repr=False)  # key path -> (line, col) in `file`
     touched: dict = field(default_factory=dict, repr=False)  # key path -> the override that set it
+    reads: dict = field(default_factory=dict)  # node id -> {key: (its producer, its name there)} (dataflow.reads)
     rows: dict = field(default_factory=dict)  # node id -> rows per prompt of its input (dataflow.rows_per_prompt)
     serves: dict = field(default_factory=dict)  # node id -> the policy it works for (dataflow.served_policies)
     policies: tuple = ()  # the models sampled from and trained (dataflow.policies)

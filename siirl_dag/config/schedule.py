@@ -20,12 +20,13 @@ from siirl_dag.errors import Problem
 from siirl_dag.graph import phases_of
 
 
-def ahead_nodes(pipe) -> frozenset:
-    """The nodes that run ahead: every weights_from consumer and its ancestors, with dynamic sampling
-    the filter and its ancestors (`graph.phases_of`: what each round re-runs), then, in order, each node
-    of a model no trainer moves that reads only those, on a mesh off the training side's devices. A
-    frozen reference model on the rollout's devices thus computes beside the update (docs/BENCHMARKS.md);
-    driver-side nodes (rewards, advantages) stay where they were: they hold no device to balance."""
+def generating_nodes(pipe) -> frozenset:
+    """The generating side, which runs ahead: every weights_from consumer and its ancestors, with dynamic
+    sampling the filter and its ancestors (`graph.phases_of`: what each round re-runs), then, in order,
+    each node of a model no trainer moves that reads only those, on a mesh off the training side's
+    devices. A frozen reference model on the rollout's devices thus computes beside the update
+    (docs/BENCHMARKS.md); driver-side nodes (rewards, advantages) stay where they were: they hold no
+    device to balance."""
     rollouts = [n.id for n in pipe.nodes.values() if n.weights_from]
     ahead = set(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
     phases = phases_of(pipe)
@@ -55,7 +56,7 @@ def depth(runtime) -> int:
 
 def describe(pipe) -> str | None:
     """What the schedule runs ahead, for `plan` (None: sync)."""
-    rt, ahead = pipe.runtime, ahead_nodes(pipe)
+    rt, ahead = pipe.runtime, generating_nodes(pipe)
     if rt.schedule == "sync":
         return None
     front, behind = [n for n in pipe.nodes if n in ahead], ", ".join(n for n in pipe.nodes if n not in ahead)
@@ -88,7 +89,7 @@ def problems(pipe) -> list[Problem]:
     if rt.schedule == "one_step_off" and rt.staleness < 1:
         out.append(Problem(("runtime", "staleness"), f"{rt.staleness}: under schedule {rt.schedule} a sample trains "
                            "one weight version after the one that generated it; expected runtime.staleness >= 1"))
-    ahead = ahead_nodes(pipe)
+    ahead = generating_nodes(pipe)
     if not any(n.weights_from for n in pipe.nodes.values()):
         out.append(Problem(("runtime", "schedule"), f"{rt.schedule} runs the rollouts ahead, and no node takes "
                            "weights from a trainer (weights_from); expected schedule sync"))

@@ -23,4 +23,4 @@ def import_config(peer: str, path: str | Path) -> Imported:
     module = import_module(PEERS[peer])
     source = module.read(path)
     draft = module.convert(source)
-    return Imported(source, peer, draft.document(), source.leftovers(), source.remarks)
+    return Imported(source, peer, draft.document(), source.not_carried(), source.remarks)

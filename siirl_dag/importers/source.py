@@ -1,7 +1,7 @@
 """A peer's configuration as dotted keys with their lines, and what an importer makes of it.
 
 Importers `take` each key they carry over; `dropped` names a key with the reason it has no
-counterpart; whatever is neither taken nor dropped is listed by `leftovers()`, so nothing is
+counterpart; whatever is neither taken nor dropped is listed by `not_carried()`, so nothing is
 silently lost. A value the reader could not resolve (a shell variable the script does not set, an
 OmegaConf resolver) is never written as if it were one: `take` leaves it out (the engine's default
 is used, and the key is listed), `take_path` writes it as written and says so. Problems (a size
@@ -129,7 +129,7 @@ class Source:
         remarked = {x.key for x in self.remarks}
         return [Left(k, v, line, "carried over") for k, (v, line) in self.keys.items() if k in self.taken and k not in remarked]
 
-    def leftovers(self) -> list[Left]:
+    def not_carried(self) -> list[Left]:
         """Keys neither taken nor dropped silently: each with its value, line and reason."""
         return [Left(k, v, line, self.notes.get(k) or self.unresolved.get(k, "")) for k, (v, line) in self.keys.items()
                 if k not in self.taken]

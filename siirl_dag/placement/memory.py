@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from siirl_dag.config.lora import LoraSpec
-from siirl_dag.config.model_shape import ModelShape
+from siirl_dag.models.lora import LoraSpec
+from siirl_dag.models.shape import ModelShape
 from siirl_dag.errors import Problem
 from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.registry import STRATEGIES

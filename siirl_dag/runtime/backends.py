@@ -117,7 +117,7 @@ def stop_ray() -> None:
     /dev/shm (named after its raylet, now gone: see `weight_sync.shared_memory`)."""
     import ray
 
-    from siirl_dag.leftovers import RAY_SEMAPHORES, sweep_dead
+    from siirl_dag.orphan_files import RAY_SEMAPHORES, sweep_dead
 
     ray.shutdown()
     sweep_dead(RAY_SEMAPHORES)

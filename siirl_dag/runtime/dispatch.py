@@ -1,5 +1,5 @@
 """The single controller's dispatcher: builds worker groups from the plan, sends a node to its ranks
-and collects its output, retries a node that failed (which node runs when: `scheduler`).
+and collects its output (which node runs when: `scheduler`; a node that failed: `recovery`).
 
 The driver holds references only: a node's output stays with the workers (Ray object store) as
 per-rank shards, and each consumer rank fetches the row ranges it needs (`reshard`).
@@ -14,18 +14,20 @@ from typing import Callable, Iterable
 import networkx as nx
 
 from siirl_dag.errors import PipelineError
-from siirl_dag.dataflow import SOURCE, SOURCE_KEYS, producer
+from siirl_dag.dataflow import SOURCE, SOURCE_KEYS
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch
+from siirl_dag.runtime.recovery import Recovery
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
 from siirl_dag.runtime.scheduler import Scheduler
 from siirl_dag.runtime.step import COMPUTE, Job, NodeOutput, Running, Span, StepResult
 from siirl_dag.runtime.trace import Trace
-from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
+from siirl_dag.runtime.worker import RankWorker, RoleSpec
 from siirl_dag.strategies.base import RankContext
-from siirl_dag.weight_sync.syncs import NOT_SYNCED, WeightSyncs
+from siirl_dag.weight_sync.syncs import WeightSyncs
+from siirl_dag.weight_sync.versions import WeightVersions
 
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
 
@@ -41,14 +43,14 @@ class Runtime:
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
         self.order = list(pipeline.nodes)
-        # each node's ancestors, nearest (latest in DAG order) first: where its inputs come from
+        # each node's ancestors, nearest (latest in DAG order) first: the row space of a node that reads nothing,
+        # the model whose tokenizer it falls back to (what it reads: `pipe.reads`)
         self.upstream = {n: [u for u in reversed(self.order) if u in nx.ancestors(pipeline.graph, n)] for n in self.order}
-        self.attempts: dict[str, int] = {}
+        self.recovery = Recovery(self)  # a failed node's retries, the restarts of a group whose process died
         self.said: set = set()  # (metric, node) collisions reported
-        # weight versions: updates done by each training node, and (`syncs`) the version each consumer holds
-        self.versions = {n: 0 for n in self.order if pipeline.kinds[n].trains}
+        self.versions = WeightVersions.of(pipeline)  # the trainers' and, moved up by `weight_syncs`, their consumers'
         self.weight_syncs = WeightSyncs(self)
-        self.synced, self.routes = self.weight_syncs.synced, self.weight_syncs.routes
+        self.routes = self.weight_syncs.routes
         self.trace = Trace() if pipeline.trainer.trace else None  # trainer.trace: the run's timeline
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -74,30 +76,29 @@ class Runtime:
             progress(f"[runtime] machines: {machines.describe(self.backend.machines)}")
         for name, mesh in pipe.plan.meshes.items():
             if mesh.colocated_with is None:
-                self.workers[name] = self._create_group(name)
-                self._init_group(self.workers[name])
-        self.workers[COMPUTE] = self._create_group(COMPUTE)
+                self.workers[name] = self.create_group(name)
+                self.init_group(self.workers[name])
+        self.workers[COMPUTE] = self.create_group(COMPUTE)
         self.roles = {node.id: self._roles_of(node) for node in pipe.nodes.values()}
         t = time.perf_counter()
         busy = {id(w) for pairs in self.roles.values() for w, _ in pairs}
         progress(f"[runtime] {self.backend.name}: building engines on {len(busy)} worker(s) ...")
         try:
-            self._add_roles([w for workers in self.workers.values() for w in workers])
+            self.add_roles([w for workers in self.workers.values() for w in workers])
         except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
         if self.on_built:
             self.on_built(self)
         # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
-        if self.synced:
-            sources = {dst: self.pipe.nodes[dst].weights_from for dst in self.synced}
-            pairs = ", ".join(f"{dst} <- {src} v{self.versions[src]}" for dst, src in sources.items())
+        if self.versions.held:
+            pairs = ", ".join(f"{dst} <- {src} v{self.versions.trainer[src]}" for dst, src in self.versions.source.items())
             progress(f"[runtime] syncing weights: {pairs} ...")
             took = self.sync_weights().get("timing_s/sync_weights", 0.0)
             progress(f"[runtime] weights synced in {took:.2f} s")
         progress(f"[runtime] ready in {time.perf_counter() - t:.1f} s")
 
-    def _create_group(self, group: str) -> list:
+    def create_group(self, group: str) -> list:
         """The workers of an anchor mesh (one per rank), or the pool of one-rank compute workers."""
         if group == COMPUTE:
             return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]
@@ -105,12 +106,12 @@ class Runtime:
         world = mesh.dims.world_size
         return [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
 
-    def _init_group(self, workers: list) -> None:
+    def init_group(self, workers: list) -> None:
         """One torch.distributed group over a mesh's workers, rendezvous at rank 0."""
         addr, port = self.backend.get(self.backend.call(workers[0], RankWorker.address))
         self.backend.get([self.backend.call(w, RankWorker.init_distributed, addr, port) for w in workers])
 
-    def _add_roles(self, workers: list) -> None:
+    def add_roles(self, workers: list) -> None:
         """Send each of `workers` its roles (in node order) and let it build its engines."""
         wanted, per_worker = {id(w) for w in workers}, {}
         for pairs in self.roles.values():
@@ -155,7 +156,7 @@ class Runtime:
     def _tokenizer_for(self, node):
         """The model whose tokenizer decodes what a node reads: the writer of the responses it reads
         (a judge's or a second agent's are another model's); else its own; else its nearest upstream model's."""
-        writer = producer(self.pipe, node.id, "responses")[0] if "responses" in self.pipe.consumes(node.id) else SOURCE
+        writer = self.pipe.reads[node.id].get("responses", (SOURCE,))[0]
         model = (self.pipe.nodes[writer].model if writer != SOURCE else None) or node.model or \
             next((self.pipe.nodes[up].model for up in self.upstream[node.id] if self.pipe.nodes[up].model), None)
         return self.pipe.models[model] if model else None
@@ -173,21 +174,6 @@ class Runtime:
         mesh = self.pipe.nodes[node_id].mesh
         return self._anchor(mesh) if mesh else COMPUTE
 
-    def _owner(self, key: str, node_id: str, outputs: dict) -> tuple[str, str]:
-        """Where `node_id` reads `key` (dataflow.producer): (its binding's node, key), or the latest upstream
-        output holding it; the step's source batch where the producer did not run in this job (the second
-        phase of dynamic sampling gets the kept rows as its source)."""
-        bound = self.pipe.nodes[node_id].inputs.get(key)
-        if bound and bound[0] in outputs:
-            return bound
-        name = bound[1] if bound else key
-        for up in [] if bound else self.upstream[node_id]:
-            if up in outputs and key in outputs[up].keys:
-                return up, key
-        if name in outputs[SOURCE].keys or name in SOURCE_KEYS:
-            return SOURCE, name
-        raise KeyError(f"no output holds '{name}' for node '{node_id}'")
-
     def dispatch(self, node_id: str, result: StepResult, job: Job, validating: bool, job_id: int = 0) -> Running:
         """Send `node_id` to its ranks, each with its rows of the outputs it reads from `result`."""
         pipe, outputs, step, segment_tokens = self.pipe, result.outputs, job.step, job.segment_tokens
@@ -195,14 +181,13 @@ class Runtime:
         # per output read: (its key, the key as this node sees it)
         owners: dict[str, list[tuple[str, str]]] = {node_id: [(k, k) for k in sorted(outputs[node_id].keys)]} \
             if resuming else {}
-        # consumed keys, plus the per-prompt metadata, which a node that expands rows (n samples
-        # per prompt) re-emits so that later nodes read it in their own row space
-        wanted = [] if resuming else list(pipe.consumes(node_id)) + [k for k in SOURCE_KEYS if k not in pipe.consumes(node_id)]
-        for key in wanted:
-            owner, name = self._owner(key, node_id, outputs)
-            if owner == SOURCE and name not in outputs[SOURCE].keys:
-                continue  # optional data column (extra_info, say) absent from this data set
-            owners.setdefault(owner, []).append((name, key))
+        for key, (owner, name) in ({} if resuming else pipe.reads[node_id]).items():  # decided at load (dataflow)
+            if owner not in outputs:  # its producer did not run in this job: the job's source holds the rows
+                owner = SOURCE  # (the second phase of dynamic sampling gets the kept rows as its source)
+            if name in outputs[owner].keys:
+                owners.setdefault(owner, []).append((name, key))
+            elif name not in SOURCE_KEYS:  # else an optional data column (extra_info, say) absent from this data set
+                raise KeyError(f"no output holds '{name}' for node '{node_id}'")
         if not owners:  # consumes nothing: sees the row space of its nearest upstream output
             owners[self._owner_of_rows(node_id, outputs)] = []
         space = outputs[next(iter(owners))]
@@ -216,7 +201,7 @@ class Runtime:
         trained = step if validating else step - 1
         seed_base = (pipe.trainer.seed * 1_000_003 + trained * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
         src = pipe.nodes[node_id].weights_from
-        min_version = max(0, self.versions[src] - pipe.runtime.staleness) if src else 0
+        min_version = max(0, self.versions.trainer[src] - pipe.runtime.staleness) if src else 0
         calls, ranks = [], []
         for worker, role in roles:
             lo, hi = ranges[role.dp_rank]
@@ -242,7 +227,7 @@ class Runtime:
         try:
             infos = self.backend.get([c[1] for c in run.calls])
         except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
-            return self._retry_or_raise(run, exc, result, job, validating, others)
+            return self.recovery.retry_or_raise(run, exc, result, job, validating, others)
         end = time.perf_counter()
         local = self.backend.name == "local"
         by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
@@ -251,7 +236,7 @@ class Runtime:
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):
                 self.trace.span(self.group_of(run.node), f"rank {rank}", run.node, *info["span"], step=step, dp_rank=dp,
                                 rows=info["rows"], validating=validating,
-                                weights_version=self.versions.get(run.node, info["weights_version"]))
+                                weights_version=self.versions.trainer.get(run.node, info["weights_version"]))
         mesh = self.pipe.nodes[run.node].mesh
         if mesh and not validating:  # the mesh's fullest rank in this step (the plan's estimate is printed at start)
             key = f"memory/{mesh}/peak_gb"
@@ -263,8 +248,8 @@ class Runtime:
             tokens += info["tokens"] or []
             keys |= set(info["keys"])
         result.outputs[run.node] = NodeOutput(shards, keys, start, tokens)
-        if run.node in self.versions and not validating:
-            self.versions[run.node] += 1
+        if run.node in self.versions.trainer and not validating:
+            self.versions.trainer[run.node] += 1
         self._add_metrics(result, run.node, by_dp[0][2]["metrics"] if by_dp else {})
         result.metrics[f"timing_s/{run.node}"] = end - run.started
         result.spans.append(Span(run.node, step, job.part, run.started, end))
@@ -287,71 +272,6 @@ class Runtime:
                                   f"'{prefix}{node}/{name}'")
                 key = f"{prefix}{node}/{name}"
             result.metrics[key] = value
-
-    def _retry_or_raise(self, run: Running, exc: Exception, result, job: Job, validating, others) -> Running:
-        step = job.step
-        self.stop_if_machines_lost(step)
-        node = self.pipe.nodes[run.node]
-        cause = getattr(exc, "cause", None) or exc
-        tries = self.attempts.get(run.node, 0)
-        if tries < node.retry_limit:
-            self.attempts[run.node] = tries + 1
-            if not isinstance(cause, NodeError):  # the process died: rebuild the group, then re-run
-                self._restart_group(self.group_of(run.node), step, others)
-            return self.dispatch(run.node, result, job, validating, run.job)
-        if isinstance(cause, NodeError):
-            raise PipelineError(f"step {step}: node '{cause.node}' failed on rank {cause.rank} (host {cause.host})"
-                                f"{f' after {tries} retries' if tries else ''}:\n{cause.detail}") from None
-        logs = f" (the ranks' logs: {self.log_dir}/)" if self.log_dir else ""
-        raise PipelineError(f"step {step}: node '{run.node}' failed: {type(cause).__name__}: {cause}{logs}") from None
-
-    def stop_if_machines_lost(self, step: int) -> None:
-        """A lost machine cannot be replaced mid-run (its ranks' state went with it): stop, naming it."""
-        lost = self.backend.lost_machines()
-        if not lost:
-            return
-        on = {m.index: [f"{name}:{r.rank}" for name, mesh in self.pipe.plan.meshes.items() for r in mesh.ranks
-                        if r.machine == m.index] for m in lost}
-        where = "; ".join(f"{m}, with ranks {', '.join(on[m.index]) or 'none'}" for m in lost)
-        raise PipelineError(f"step {step}: lost {where}. The run stopped; resume from its last checkpoint on a "
-                            "cluster with enough devices again: the same command (trainer.resume_mode=auto)")
-
-    def _restart_group(self, group: str, step: int, others: list[Running]) -> None:
-        """Replace a group's workers (one died), rebind their roles and rebuild their engines.
-
-        Rebuilt engines load the model from disk. A rollout engine is then brought back to its
-        trainer's weights; a trainer that had already updated its weights cannot be brought back
-        (its optimizer state died with it), so that is an error naming the way to resume."""
-        lost = {n: v for n, v in self.versions.items() if v and self.group_of(n) == group}
-        if lost:
-            names = ", ".join(f"'{n}' ({v} update{'s' if v > 1 else ''})" for n, v in lost.items())
-            raise PipelineError(f"step {step}: a process of mesh '{group}' died, and with it the training state of "
-                                f"{names}; restarting it would silently start from the initial weights. Resume "
-                                "from the last checkpoint instead: rerun with trainer.resume_mode=auto")
-        for dst in [d for d in self.synced if group in (self.group_of(d), self.group_of(self.pipe.nodes[d].weights_from))]:
-            self.weight_syncs.close(dst)  # its pipe has members that die now
-        old = self.workers[group]
-        for w in old:
-            self.backend.kill(w)
-        new = self.workers[group] = self._create_group(group)
-        swap = {id(o): n for o, n in zip(old, new)}
-        self.roles = {node: [(swap.get(id(w), w), role) for w, role in pairs] for node, pairs in self.roles.items()}
-        if group != COMPUTE:
-            self._init_group(new)
-        self._add_roles(new)
-        behind = [dst for dst in self.synced if self.group_of(dst) == group]
-        for dst in behind:
-            self.synced[dst] = NOT_SYNCED
-        if behind:  # a trainer of theirs still updating (another batch's job): its update lands first
-            sources = {self.pipe.nodes[dst].weights_from for dst in behind}
-            landed = set()
-            for other in [r for r in others if r.node in sources]:
-                try:
-                    self.backend.get([call[1] for call in other.calls])
-                    landed.add(other.node)
-                except Exception:  # noqa: BLE001 - it failed: no update landed; its own retry says why
-                    pass
-            self.weight_syncs.run(step, frozenset(landed))
 
     def sync_weights(self, step: int = 0) -> dict:
         """Every `weights_from` consumer up to its trainer's latest version (`weight_sync.syncs.WeightSyncs.run`)."""

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import psutil
 
-from siirl_dag.leftovers import RAY_SEMAPHORES, sweep_dead
+from siirl_dag.orphan_files import RAY_SEMAPHORES, sweep_dead
 
 MARK = "SIIRL_DAG_DRIVER"
 POLL_S = 0.5

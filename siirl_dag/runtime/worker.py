@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from siirl_dag import console
+from siirl_dag.refs import import_ref
 from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
@@ -87,8 +88,6 @@ class RankWorker(SyncRank):
 
     def add_roles(self, roles: list[RoleSpec]) -> list[str]:
         """Register roles and build their engines (model loading happens here, once)."""
-        from siirl_dag.registry import import_ref
-
         for role in roles:
             self.roles[role.node.id] = role
         for role in roles:
@@ -188,9 +187,10 @@ def _checked(role: RoleSpec, batch: Batch, out) -> Batch:
                 ([f"returned undeclared key(s) {sorted(extra)}"] if extra else [])
         raise ValueError(f"node '{role.node.id}' (kind {role.kind.name}) " + " and ".join(parts) +
                          f"; its kind declares {sorted(declared)}")
-    if out.num_rows not in (batch.num_rows, 0) and not (set(out) & set(batch)):
+    if out.num_rows not in (batch.num_rows, 0) and not (role.kind.expands and set(out) & set(batch)):
         raise ValueError(f"node '{role.node.id}' returned {out.num_rows} rows for {batch.num_rows} input rows; "
-                         "a node that changes the row count must re-emit its input keys (ctx.expand)")
+                         "a node that changes the row count must declare expands=True and re-emit its input keys "
+                         "(ctx.expand): later nodes read them from it (dataflow)")
     return out
 
 

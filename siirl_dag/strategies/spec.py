@@ -12,11 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-
-def _load(ref: str) -> Any:
-    from siirl_dag.registry import import_ref  # the registry imports every spec
-
-    return import_ref(ref)
+from siirl_dag.refs import import_ref
 
 
 @dataclass(frozen=True)
@@ -46,16 +42,16 @@ class StrategySpec:
         return {key: size for size, key in self.parallel_options.items() if size != "vpp"}
 
     def engine_class(self) -> type:
-        return _load(self.engine)
+        return import_ref(self.engine)
 
     def check_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """The options checked and completed (ConfigError); as written without rules of its own."""
-        return _load(self.option_rules)(options) if self.option_rules else options
+        return import_ref(self.option_rules)(options) if self.option_rules else options
 
     def options_for_dtype(self, dtype: str, written: dict[str, Any]) -> dict[str, Any]:
         """The options a model's `dtype` sets where `written` does not say otherwise (ValueError)."""
-        return _load(self.dtype_rule)(dtype, written) if self.dtype_rule else {}
+        return import_ref(self.dtype_rule)(dtype, written) if self.dtype_rule else {}
 
     def estimate_memory(self, work: Any) -> Any:
         """Its memory estimate of a mesh (placement.memory.MeshWork -> MeshMemory); None without a model."""
-        return _load(self.memory_model)(work) if self.memory_model else None
+        return import_ref(self.memory_model)(work) if self.memory_model else None

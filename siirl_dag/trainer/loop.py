@@ -249,8 +249,8 @@ class Trainer:
     def save(self) -> Path:
         from siirl_dag.runtime.worker import RankWorker
 
-        state = {"step": self.step, "loader": self.loader.state_dict(), "versions": self.rt.versions,
-                 "synced": self.rt.synced, "models": self.models, "in_flight": []}
+        state = {"step": self.step, "loader": self.loader.state_dict(), "versions": self.rt.versions.trainer,
+                 "synced": self.rt.versions.held, "models": self.models, "in_flight": []}
 
         def write_engines(folder: Path) -> None:
             queue = self.schedule.in_flight() if self.schedule else []
@@ -280,7 +280,7 @@ class Trainer:
                 raise PipelineError(f"resuming from {path}: node '{node}' could not load {folder} ({_last_line(exc)}); "
                                     "expected an intact checkpoint of this model: remove it (auto resumes from the "
                                     "newest complete one) or name another with trainer.resume_from_path") from None
-        rt.versions.update(self.resume.state["versions"])
+        rt.versions.trainer.update(self.resume.state["versions"])
         self.progress(f"[trainer] resumed from {path} at step {self.step}")
 
     def export_hf(self, checkpoint_folder: Path) -> None:

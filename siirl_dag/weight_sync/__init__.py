@@ -7,6 +7,8 @@ Reading path:
   by `plan` and `validate --json`).
 - `syncs`: the driver's side (`WeightSyncs`, which the runtime holds): every consumer brought to its
   trainer's version after each update, through its pair's path.
+- `versions`: `WeightVersions`, the one record of the weights' versions: each trainer's, and the one
+  each consumer holds.
 - `path`: the `SyncPath` interface (`sync(version)`, `close()`), and `Streamed`, the part every path
   between separate meshes shares.
 - One module per path: `colocated` (in-process handoff), `in_process` (runtime.backend=local),

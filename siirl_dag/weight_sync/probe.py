@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from siirl_dag.strategies.rollout_layout import Sample, pack_batch
+from siirl_dag.strategies.samples import Sample, pack_batch
 from siirl_dag.weight_sync.fingerprints import SyncMismatch
 
 TOKENS = (2, 16)  # rows x tokens; the log-probs of every token after the first

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from siirl_dag.errors import Problem
+from siirl_dag.models.lora import payload
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Pair:
 class Route:
     path: str  # the name of a row
     reason: str
-    payload: str = "model"  # what travels: config.lora.payload
+    payload: str = "model"  # what travels: models.lora.payload
     payload_reason: str = "the model's weights"
 
 
@@ -86,8 +87,6 @@ def pair_of(pipe: Any, rollout: str) -> Pair:
 
 def routes(pipe: Any) -> dict[str, Route]:
     """rollout node -> the route of its weights, for every node with `weights_from` (once placed)."""
-    from siirl_dag.config.lora import payload  # the config package imports this module
-
     pairs = [pair_of(pipe, n.id) for n in pipe.nodes.values() if n.weights_from and pipe.plan]
     what = {p.rollout: payload(pipe.models[pipe.nodes[p.rollout].model].lora, p.device) for p in pairs}
     return {p.rollout: next(Route(row.name, why, *what[p.rollout]) for row in TABLE if (why := row.rule(p)))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from siirl_dag.leftovers import RAY_SEMAPHORES, sweep_dead
+from siirl_dag.orphan_files import RAY_SEMAPHORES, sweep_dead
 from siirl_dag.runtime.batch import tensor_from_wire, tensor_to_wire
 from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Streamed

@@ -7,26 +7,22 @@ from __future__ import annotations
 import time
 
 from siirl_dag.errors import PipelineError
+from siirl_dag.refs import import_ref
 from siirl_dag.weight_sync import probe
 from siirl_dag.weight_sync.rank import SyncRank
 from siirl_dag.weight_sync.path import Placed
 from siirl_dag.weight_sync.routes import TABLE, routes
 
-NOT_SYNCED = -1  # a weights_from consumer's version before it got any weights from its trainer
-
 
 class WeightSyncs:
     def __init__(self, runtime):
         pipe, self.rt = runtime.pipe, runtime
-        # the version each consumer holds (NOT_SYNCED: what it loaded itself, if anything; the runtime's
-        # start brings it to version 0)
-        self.synced = {n: NOT_SYNCED for n in pipe.nodes if pipe.nodes[n].weights_from}
         self.routes = routes(pipe)  # rollout node -> how its weights travel
         self.paths: dict = {}  # rollout node -> its weight_sync.path.SyncPath, made at its first sync
-        self.count = {n: 0 for n in self.synced}  # syncs done per rollout node (the probe's schedule)
+        self.count = dict.fromkeys(runtime.versions.held, 0)  # syncs done per rollout node (the probe's schedule)
         # the probe's vocabulary, per rollout node (None: no model config on disk, no probe)
         self.probe_vocab = {n: (pipe.models[pipe.nodes[n].model].hf_config() or {}).get("vocab_size")
-                            for n in self.synced}
+                            for n in runtime.versions.held}
 
     def close(self, dst: str) -> None:
         """Let go of `dst`'s path (it failed, or its ranks are replaced): the next sync makes a new one."""
@@ -37,16 +33,16 @@ class WeightSyncs:
         """Bring every `weights_from` consumer up to its trainer's latest version (after `step`), each
         pair along its route (`weight_sync.routes`), through the SyncPath made at its first sync.
 
-        `landed`: trainers whose update has finished on their ranks but is not counted in
-        `versions` yet (another batch's job, still to be collected): their weights go out stamped
-        with the version that update makes.
+        `landed`: trainers whose update has finished on their ranks but is not counted in the
+        runtime's `versions` yet (another batch's job, still to be collected): their weights go out
+        stamped with the version that update makes.
 
         Metrics are `sync/<stat>`, or `sync/<consumer>/<stat>` in a pipeline with several consumers;
         `timing_s/sync_weights` is the time of all syncs together."""
-        metrics: dict = {}
-        for dst, have in self.synced.items():
-            src = self.rt.pipe.nodes[dst].weights_from
-            version = self.rt.versions[src] + (src in landed)
+        metrics, versions = {}, self.rt.versions
+        for dst, have in versions.held.items():
+            src = versions.source[dst]
+            version = versions.trainer[src] + (src in landed)
             if have >= version:
                 continue
             t0, began = time.perf_counter(), time.time()
@@ -54,14 +50,14 @@ class WeightSyncs:
                 stats = self._one(src, dst, version)
             except Exception as exc:  # noqa: BLE001 - a rank's error (with its traceback), or a pipe not made
                 self.close(dst)  # a part may have stopped half-way: never used again
-                self.rt.stop_if_machines_lost(step)
+                self.rt.recovery.stop_if_machines_lost(step)
                 cause = getattr(exc, "cause", None) or exc
                 raise PipelineError(f"weight sync '{src}' -> '{dst}' (version {version}, path "
                                     f"{self.routes[dst].path}) failed: {cause}") from None
             metrics["timing_s/sync_weights"] = metrics.get("timing_s/sync_weights", 0.0) + time.perf_counter() - t0
-            prefix = f"sync/{dst}/" if len(self.synced) > 1 else "sync/"
+            prefix = f"sync/{dst}/" if len(versions.held) > 1 else "sync/"
             metrics.update({prefix + k.removeprefix("sync/"): v for k, v in stats.items()})
-            self.synced[dst] = version
+            versions.held[dst] = version
             self.count[dst] += 1
             if self.rt.trace is not None:
                 self.rt.trace.driver(f"sync {src} -> {dst}", began, step=step, version=version,
@@ -98,8 +94,6 @@ class WeightSyncs:
 
     def _path(self, dst: str):
         """The SyncPath of `dst`'s route, over the ranks as they run now."""
-        from siirl_dag.registry import import_ref
-
         src, runtime = self.rt.pipe.nodes[dst].weights_from, self.rt.pipe.runtime
         placed = Placed(src, dst, self.rt.backend, [(w, r.engine_key) for w, r in self.rt.roles[src]],
                         [(w, r.engine_key) for w, r in self.rt.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),

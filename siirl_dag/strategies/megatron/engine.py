@@ -54,7 +54,7 @@ class MegatronEngine(Strategy):
         model_lib.init_parallel(self.mesh, self.opts["seed"])
         self.spec, shape = model_lib.model_config_kwargs(self.model_path, self.opts["value_head"])
         self.config = self._transformer_config(TransformerConfig, shape)
-        self.lora = self.model_field("lora")  # config.lora.LoraSpec: the base frozen, adapters trained
+        self.lora = self.model_field("lora")  # models.lora.LoraSpec: the base frozen, adapters trained
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device, self.lora, self.opts["seed"])
         routing_replay.release(self.chunks)
         self._routers: dict[int, list] = {}  # id(model chunk) -> its MoE routers, for routing replay

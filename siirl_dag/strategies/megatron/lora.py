@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from siirl_dag.config.lora import LoraSpec
+from siirl_dag.models.lora import LoraSpec
 
 # megatron module (relative to a layer) -> (the HF projections it fuses, its parallel side); experts:
 # `mlp.experts.local_experts.<i>.` + the same fc1/fc2 names

@@ -11,7 +11,7 @@ micro batches in flight under 1F1B, i.e. every layer's for one; plus fp32 logits
 
 from __future__ import annotations
 
-from siirl_dag.config.model_shape import DTYPE_BYTES
+from siirl_dag.models.shape import DTYPE_BYTES
 from siirl_dag.placement.memory import GIB, MeshMemory, MeshWork
 from siirl_dag.strategies.megatron.options import resolve
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from siirl_dag.config.lora import LoraSpec
+from siirl_dag.models.lora import LoraSpec
 from siirl_dag.errors import ConfigError
 from siirl_dag.placement.parallel_dims import ParallelDims
 from siirl_dag.strategies.megatron import cpu_compat, lora

@@ -5,7 +5,7 @@ forward chose). Only the choice is replayed: the router's probabilities for the 
 from its live logits, so it still trains.
 
 `routed_experts` [B, P+R, layers, topk] is vLLM's record in the batch layout (every decoder layer,
-an expert id per slot; strategies/rollout_layout.py): it covers each row's real tokens but the last
+an expert id per slot; strategies/samples.py): it covers each row's real tokens but the last
 one, which no kept log-prob depends on (causal attention), as no padding does either. Those
 positions take experts 0..topk-1. megatron-core's RouterReplay (`moe_enable_routing_replay`) gives
 each router the hook; this module hands each router its layer's ids for the tokens it sees: the
@@ -68,7 +68,7 @@ def recorded(records: dict[tuple[int, int], torch.Tensor], rows: int, seq: int, 
     `routed_experts` [rows, total, L, K]: the tokens of every TP / CP rank and the layers of every
     pipeline stage put together (each rank fills only its own entries of a zero tensor, then a sum),
     back in the batch layout (`src`: batching.source_positions); 0 on padding. uint8 up to 256
-    `experts`, int32 past them, as a rollout's (rollout_layout)."""
+    `experts`, int32 past them, as a rollout's (strategies.samples)."""
     from megatron.core import parallel_state as ps
 
     positions = local_tokens(torch.arange(seq)[None, :, None, None], sequence_parallel).flatten()

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from siirl_dag import leftovers
+from siirl_dag import orphan_files
 
 
 def active() -> bool:
@@ -67,7 +67,7 @@ def building(group_ranks: list[int], found: list[str]) -> Iterator[None]:
 
     Shm.make_group_name = staticmethod(own_name)
     try:
-        with leftovers.created(leftovers.SHM_DIR, found, lambda name: "cpushm" in name and marker in name):
+        with orphan_files.created(orphan_files.SHM_DIR, found, lambda name: "cpushm" in name and marker in name):
             yield
     finally:
         Shm.make_group_name = named

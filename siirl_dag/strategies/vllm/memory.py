@@ -8,7 +8,7 @@ runtime. On CPU it holds the weights and `kv_cache_gb` of host memory.
 
 from __future__ import annotations
 
-from siirl_dag.config.model_shape import DTYPE_BYTES
+from siirl_dag.models.shape import DTYPE_BYTES
 from siirl_dag.errors import Problem
 from siirl_dag.placement.memory import GIB, MeshMemory, MeshWork
 from siirl_dag.strategies.vllm.options import resolve_options

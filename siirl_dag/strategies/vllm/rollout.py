@@ -21,12 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from siirl_dag import leftovers
-from siirl_dag.config.lora import payload
+from siirl_dag import orphan_files
+from siirl_dag.models.lora import payload
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
-from siirl_dag.strategies.rollout_layout import PARTIAL, Sample, pack_batch, prompt_token_ids
+from siirl_dag.strategies.samples import PARTIAL, Sample, pack_batch, prompt_token_ids
 from siirl_dag.strategies.vllm.options import ROUTES_NEED_GPU, resolve_options, sampling_kwargs
 from siirl_dag.strategies.vllm.turns import Turns
 
@@ -57,7 +57,7 @@ class VllmRollout(Strategy):
     def __init__(self, ctx: RankContext, model: Any, options: dict[str, Any]):
         super().__init__(ctx, model, resolve_options(options))
         self.tp, self.weights_version = ctx.dims.tp, 0
-        # LoRA: served as adapters, or (config.lora.payload) as weights with them merged in
+        # LoRA: served as adapters, or (models.lora.payload) as weights with them merged in
         self.lora, self._lora_request = self.model_field("lora"), None
         self.adapters = payload(self.lora, "cpu" if cpu_compat.active() else "cuda")[0] == "adapters"
         # True while the engine holds no complete weights: load_format dummy, a level-2 sleep, a failed load
@@ -65,7 +65,7 @@ class VllmRollout(Strategy):
         # A TP group's message queue binds two ZMQ sockets as files in VLLM_RPC_BASE_PATH that nothing
         # removes, not even a clean shutdown: each engine's go into a folder of the process, removed at close
         self._left: list[str] = []  # files vLLM leaves behind (sockets; TP shared memory on CPU)
-        self._sockets = leftovers.own_folder("siirl-vllm-rpc-", _RPC_BASE)
+        self._sockets = orphan_files.own_folder("siirl-vllm-rpc-", _RPC_BASE)
         self.llm = self._start_engine(self.model_path)
         self.tokenizer = tok = self.llm.get_tokenizer()
         self.pad_token_id = tok.eos_token_id if tok.pad_token_id is None else tok.pad_token_id
@@ -107,7 +107,7 @@ class VllmRollout(Strategy):
             on_cpu = cpu_compat.building(list(range(first, first + self.tp)), self._left)
         start = time.perf_counter()
         os.environ["VLLM_RPC_BASE_PATH"] = self._sockets  # the same for every engine of a process: vLLM caches it
-        with host_rng_kept(), leftovers.created(self._sockets, self._left), on_cpu:
+        with host_rng_kept(), orphan_files.created(self._sockets, self._left), on_cpu:
             llm = LLM(**kwargs)
         log.info("vLLM engine (t=%d, rank %d) started in %.1f s", self.tp, self.ctx.rank, time.perf_counter() - start)
         return llm
@@ -249,7 +249,7 @@ class VllmRollout(Strategy):
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
-        leftovers.remove(self._left)
+        orphan_files.remove(self._left)
         with contextlib.suppress(OSError):  # another engine of this process may still use it
             os.rmdir(self._sockets)
 

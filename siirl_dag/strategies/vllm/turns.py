@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from siirl_dag.strategies.rollout_layout import Sample
+from siirl_dag.strategies.samples import Sample
 from siirl_dag.strategies.vllm.options import sampling_kwargs
 
 

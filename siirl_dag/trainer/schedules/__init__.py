@@ -1,6 +1,7 @@
 """Schedules (runtime.schedule): what a training step runs, in which order, on which meshes.
 
-The trainer loop picks one at the start of a run (`make`) and knows only its interface (`Schedule`).
+The trainer loop picks one at the start of a run (`make`) and knows only its interface (`Schedule`),
+whose step returns an `outcome.Outcome`.
 Every schedule generates a step's batch the same way (`generation.Generation`, dynamic sampling
 included), then trains on it:
 - `sync.Sync`: generate, train, sync the weights; one batch at a time.
@@ -10,21 +11,12 @@ included), then trains on it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from siirl_dag.trainer.schedules.outcome import Outcome
+
 if TYPE_CHECKING:  # the runtime (torch) loads at `make`: a refused run never loads it
-    from siirl_dag.runtime.step import Span, StepResult
     from siirl_dag.trainer.schedules.generation import Generated
-
-
-@dataclass
-class Outcome:
-    """One trained step."""
-
-    result: StepResult  # its training side's, holding its generating side's metrics too
-    spans: list[Span]  # every node run that finished meanwhile (any batch's), and those still running, up to now
-    metrics: dict  # the schedule's own: weight syncs, staleness
 
 
 class Schedule(Protocol):

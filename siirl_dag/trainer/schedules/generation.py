@@ -20,7 +20,7 @@ import networkx as nx
 from siirl_dag.dataflow import SOURCE
 from siirl_dag.graph import Phases
 from siirl_dag.runtime.step import Job, NodeOutput, StepResult
-from siirl_dag.strategies.rollout_layout import PARTIAL
+from siirl_dag.strategies.samples import PARTIAL
 from siirl_dag.trainer.schedules.dynamic_sampling import Kept
 
 

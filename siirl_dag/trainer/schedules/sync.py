@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from siirl_dag.graph import phases_of
 from siirl_dag.runtime.step import Job
-from siirl_dag.trainer.schedules import Outcome
+from siirl_dag.trainer.schedules.outcome import Outcome
 from siirl_dag.trainer.schedules.generation import Generation
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from siirl_dag.config.lora import ATTENTION, MLP, LoraSpec
+from siirl_dag.models.lora import ATTENTION, MLP, LoraSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _NEEDED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from siirl_dag import leftovers
-from siirl_dag.leftovers import SHM_DIR
+from siirl_dag import orphan_files
+from siirl_dag.orphan_files import SHM_DIR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +41,7 @@ def test_sweep_removes_the_files_and_folders_of_dead_processes_only(tmp_path):
         (tmp_path / f"sock-{pid}" / "a-socket").touch()
         (tmp_path / f"file-{pid}").touch()
     (tmp_path / f"other-{dead}").touch()  # not matched by the pattern
-    leftovers.sweep_dead(r"(?:sock|file)-(\d+)", str(tmp_path))
+    orphan_files.sweep_dead(r"(?:sock|file)-(\d+)", str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted([f"sock-{live}", f"file-{live}", f"other-{dead}"])
     assert os.listdir(tmp_path / f"sock-{live}") == ["a-socket"]
 
@@ -49,19 +49,19 @@ def test_sweep_removes_the_files_and_folders_of_dead_processes_only(tmp_path):
 def test_created_records_what_appears_meanwhile_and_remove_unlinks_it(tmp_path):
     (tmp_path / "before").touch()
     found: list[str] = []
-    with leftovers.created(str(tmp_path), found, keep=lambda name: name.startswith("x")):
+    with orphan_files.created(str(tmp_path), found, keep=lambda name: name.startswith("x")):
         (tmp_path / "x1").touch()
         (tmp_path / "y1").touch()
     assert found == [str(tmp_path / "x1")]
     (tmp_path / "x1").unlink()  # already gone is fine
     found.append(str(tmp_path / "before"))
-    leftovers.remove(found)
+    orphan_files.remove(found)
     assert found == [] and sorted(os.listdir(tmp_path)) == ["y1"]
 
 
 STOP_RAY = """
 import os, ray
-from siirl_dag.leftovers import SHM_DIR
+from siirl_dag.orphan_files import SHM_DIR
 from siirl_dag.runtime.backends import init_ray, stop_ray
 init_ray(num_cpus=1)
 [raylet] = ray._private.worker._global_node.all_processes["raylet"]

@@ -1,0 +1,42 @@
+"""`module:attr` references: ours (a strategy's engine, a weight-sync path), imported as written, and
+a user's (a node kind, a tool, a score parser), with a message fit for the user when they fail."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def user_ref(ref: str, what: str, known: dict) -> Any:
+    """The object a user's `module:attr` names; LookupError fit for the user otherwise. Importing the
+    module runs the user's code, so whatever that raises (SyntaxError, sys.exit, ...) becomes one too."""
+    module_name, colon, attr = ref.partition(":")
+    if not (colon and module_name and attr):
+        raise LookupError(f"unknown {what} '{ref}'; expected one of: {', '.join(sorted(known))}, or module:function")
+    try:
+        found = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:
+        raise LookupError(f"cannot import module '{module_name}' of {what} '{ref}' ({type(exc).__name__}: {exc}); "
+                          "expected an importable module") from None
+    for part in attr.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            raise LookupError(f"module '{module_name}' has no '{attr}' ({what} '{ref}')")
+    return found
+
+
+def registered_or_user(ref: str, what: str, registered: dict, attr: str, expected: type, decorator: str) -> Any:
+    """A `registered` name, or a user's `module:function` whose decorator (`decorator`) set `attr` on it to
+    an `expected`; LookupError fit for the user otherwise (a node kind, a tool)."""
+    if ref in registered:
+        return registered[ref]
+    found = getattr(user_ref(ref, what, registered), attr, None)
+    if not isinstance(found, expected):
+        raise LookupError(f"'{ref}' is not a {what}; expected a function decorated with {decorator}")
+    return found
+
+
+def import_ref(ref: str) -> Any:
+    """Import `module:attr` (a strategy's engine class, a weight-sync path, for instance)."""
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name), attr)

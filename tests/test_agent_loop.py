@@ -240,3 +240,34 @@ def _sandbox_processes() -> list[str]:
         except OSError:
             pass
     return left
+
+
+@pytest.mark.parametrize("validating", [True, False])
+def test_agent_rollout_validates_at_the_val_temperature_with_its_seed(tokenizer, validating):
+    """Validation asks the engine for one sample at the options' val_temperature (0: greedy), seeded like training."""
+    from types import SimpleNamespace
+
+    from nodes.agent_rollout import agent_rollout
+
+    asked, seeds = [], []
+
+    class Engine:
+        options, pad_token_id, weights_version = {"chat_template": False, "n": 2}, tokenizer.pad_token_id, 0
+
+        def __init__(self):
+            self.tokenizer = tokenizer
+
+        def turns(self, sampling, max_response_length, stop):
+            asked.append(sampling)
+            scripted = Scripted(tokenizer, {k: [" #### 5"] for k in range(2)})
+            add = scripted.add
+            scripted.add = lambda key, ids, max_tokens, seed: (seeds.append(seed), add(key, ids, max_tokens, seed))
+            return scripted
+
+    params = {"tools": ["calculator"], "max_turns": 2, "max_tokens_per_turn": 16, "tool_timeout_s": 2.0, "tool_workers": 1}
+    data = SimpleNamespace(max_prompt_length=16, max_response_length=32)
+    ctx = SimpleNamespace(engine=Engine(), validating=validating, seed=7, metrics={}, check_weights_version=lambda: None,
+                          node=SimpleNamespace(params=params), data=data, expand=lambda index, out: out)
+    out = agent_rollout({"raw_prompt": ["Q: 2+3? A:"]}, ctx)
+    assert asked == [{"validate": True} if validating else {}]
+    assert len(out["responses"]) == (1 if validating else 2) and seeds[0] == 7

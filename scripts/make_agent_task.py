@@ -6,10 +6,11 @@ the calculator's answer as the chat template shows it, and the model's ` #### SU
 such trajectories (the tool's tokens masked, as in RL) until the accuracy of answers sampled at the RL run's
 temperature (0.7; graphs/tiny_agent_tools_cpu.yaml), the calculator really called, first reaches 12%. That is
 measured, not greedy accuracy: the copying of the digits is learnt in a sharp jump (greedy accuracy goes from
-under 10% to over 90% within ~10 steps) and half-way greedy decoding is right far more often than sampling
-(25-30% greedy while 1-9% sampled), so a greedy target leaves RL without groups of mixed scores. Checked every
-10th step until a sampled answer is right, then every 2nd. One torch thread, deterministic algorithms, seeded:
-a seed gives the same warm start wherever torch computes the same floats.
+under 10% to over 90% within ~20 steps) and half-way greedy decoding is right far more often than sampling
+(31% greedy with 1-9% sampled in issue #52; 49-91% greedy at 13-15.5% sampled, seeds 1-3), so a greedy target
+leaves RL without groups of mixed scores. Checked every 10th step until a sampled answer is right, then every
+2nd. One torch thread, deterministic algorithms, seeded: a seed gives the same warm start wherever torch
+computes the same floats.
 Every step is skipped when its output already exists.
 
     python scripts/make_agent_task.py OUT_DIR [--seed 0] [--target-accuracy 0.12] [--min-calls 0]
@@ -124,7 +125,7 @@ def accuracy(model, tokenizer, observe: Observations, test: list[list[int]], tem
 
 
 def seeded(seed: int) -> None:
-    """One thread and deterministic algorithms, so that a seed's floats do not hang on the machine's cores."""
+    """One thread and deterministic algorithms, so that a seed's floats do not depend on the machine's cores."""
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed)

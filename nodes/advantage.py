@@ -25,14 +25,15 @@ def _checks(node, pipeline) -> list[Problem]:
 @node_kind("advantage", consumes=_consumes, produces=("advantages", "returns"), params_schema="advantage", check=_checks)
 def advantage(batch, ctx):
     """Advantages and returns with the estimator named in params (each takes only its own params),
-    plus -distill_coef x (student - teacher log-prob) per token when distilling."""
+    plus -distill_coef x (student - teacher log-prob) per token when distilling; critic/mixed_groups, the
+    share of prompts whose samples' rewards differ (those a group baseline learns from)."""
     import inspect
 
     import torch
 
     from nodes.algos.advantages import ESTIMATORS, compute_advantage
     from nodes.algos.masked import masked_mean
-    from nodes.algos.metrics import batch_metrics
+    from nodes.algos.metrics import batch_metrics, mixed_groups
 
     name, mask = ctx.params["estimator"], batch["response_mask"]
     if name == "none":
@@ -42,6 +43,8 @@ def advantage(batch, ctx):
         params = {k: v for k, v in ctx.params.items() if k in takes}
         advantages, returns = compute_advantage(name, batch["token_level_rewards"], mask, index=batch["uid"],
                                                 values=batch.get("values"), **params)
+        ctx.metrics["critic/mixed_groups"] = mixed_groups((batch["token_level_rewards"] * mask).sum(dim=-1).tolist(),
+                                                          batch["uid"])
     if ctx.params["distill_coef"] > 0:
         reverse_kl = (batch["old_logprobs"] - batch["teacher_logprobs"]) * mask
         advantages = advantages - ctx.params["distill_coef"] * reverse_kl

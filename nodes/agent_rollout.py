@@ -43,7 +43,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
 @node_kind("agent_rollout", consumes=("raw_prompt",), produces=PRODUCES, strategies=("vllm",),
            params_schema="agent_rollout", check=_check, expands=True, check_data=_template_fits, prompt_lengths=_prompt_lengths)
 def agent_rollout(batch, ctx):
-    """Trajectories of up to max_turns turns (n per prompt, one greedy in validation)."""
+    """Trajectories of up to max_turns turns (n per prompt; one in validation, at val_temperature)."""
     from siirl_dag.strategies.samples import Sample, pack_batch, prompt_token_ids
 
     ctx.check_weights_version()
@@ -51,12 +51,12 @@ def agent_rollout(batch, ctx):
     tools = {tool.name: tool for tool in map(resolve_tool, p["tools"])}
     specs = [tool.spec() for tool in tools.values()]
     prompts = [prompt_token_ids(engine.tokenizer, x, engine.options["chat_template"], specs) for x in batch["raw_prompt"]]
-    sampling = {"greedy": True} if ctx.validating else {}
+    sampling = {"validate": True} if ctx.validating else {}  # one sample at val_temperature (default 0: greedy)
     limits = agent_loop.AgentLimits(p["max_turns"], p["max_tokens_per_turn"] or data.max_response_length,
                                     data.max_response_length, p["tool_timeout_s"], p["tool_workers"])
     turns = engine.turns(sampling, data.max_response_length, [STOP])
     n = 1 if ctx.validating else engine.options["n"]
-    trajectories = agent_loop.run(turns, prompts, n, tools, limits, engine.tokenizer, None if ctx.validating else ctx.seed)
+    trajectories = agent_loop.run(turns, prompts, n, tools, limits, engine.tokenizer, ctx.seed)
     samples = [Sample(t.prompt_index, t.ids, t.logprobs, t.finish_reason, t.mask) for t in trajectories]
     out = pack_batch(prompts, samples, data.max_prompt_length, data.max_response_length, engine.pad_token_id)
     out.update(weight_versions(out, data.max_prompt_length, engine.weights_version))

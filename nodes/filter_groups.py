@@ -14,9 +14,7 @@ def filter_groups(batch, ctx):
     """keep[i] = the samples of row i's prompt do not all have the same `metric` (summed over a row)."""
     import torch
 
-    per_sample = batch[ctx.params["metric"]].sum(dim=-1)
-    groups: dict[str, list[float]] = {}
-    for uid, value in zip(batch["uid"], per_sample.tolist()):
-        groups.setdefault(uid, []).append(value)
-    varied = {uid for uid, values in groups.items() if max(values) - min(values) > 1e-6}
+    from nodes.algos.metrics import varied_groups
+
+    varied = varied_groups(batch[ctx.params["metric"]].sum(dim=-1).tolist(), batch["uid"])
     return {"keep": torch.tensor([uid in varied for uid in batch["uid"]], dtype=torch.long)}

@@ -1,4 +1,5 @@
-"""rollout: sample n responses per prompt with the vLLM strategy (greedy, one each, in validation)."""
+"""rollout: sample n responses per prompt with the vLLM strategy (in validation one each, at the options'
+val_temperature: greedy by default)."""
 
 from nodes import routing, templates
 from siirl_dag.errors import Problem
@@ -140,7 +141,7 @@ def rollout(batch, ctx):
     from siirl_dag.strategies.samples import unpack_batch
 
     ctx.check_weights_version()
-    sampling = {"greedy": True} if ctx.validating else {"seed": ctx.seed}
+    sampling = {"validate": True, "seed": ctx.seed} if ctx.validating else {"seed": ctx.seed}
     P, R, version = ctx.data.max_prompt_length, ctx.data.max_response_length, ctx.engine.weights_version
     if ctx.resuming:
         out = ctx.engine.resume(*unpack_batch(batch), sampling, P, R, ctx.segment_tokens)

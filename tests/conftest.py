@@ -38,6 +38,18 @@ def demo_data(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def sandboxes_alone():
+    """Sandbox tests check that no sandbox process is left on the machine: one such test at a time over
+    the xdist workers, so that none sees another's sandboxes as left behind."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "siirl-dag-sandbox-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def row_cache_dir(tmp_path_factory):
     """Prompt token counts kept for the session (and the runs it starts), not in the user's cache."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nodes.algos.advantages import ESTIMATORS, compute_advantage, discounted_returns
-from nodes.algos.metrics import batch_metrics
+from nodes.algos.metrics import batch_metrics, mixed_groups, varied_groups
 
 # Six samples: prompt a x3 (scores 1, 0, 0), b x2 (1, 1), c x1 (1); the score sits on the last token.
 INDEX = ["a", "a", "a", "b", "b", "c"]
@@ -123,3 +123,12 @@ def test_returns_carry_across_a_masked_span():
     mask = torch.tensor([[1, 1, 0, 0, 1, 0]])
     rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
     assert discounted_returns(rewards, mask, 0.5).tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0, 0.0]]
+
+
+def test_mixed_groups_counts_the_prompts_whose_samples_differ():
+    per_seq = REWARDS.sum(dim=-1).tolist()  # a: 1, 0, 0 (mixed); b: 1, 1 (all right); c: 1 (alone)
+    assert varied_groups(per_seq, INDEX) == {"a"}
+    assert mixed_groups(per_seq, INDEX) == pytest.approx(1 / 3)
+    assert mixed_groups([0.0, 0.0, 1.0, 1.0], ["x", "x", "y", "y"]) == 0.0  # all wrong, all right: nothing to learn
+    assert mixed_groups([0.5, 0.5 + 1e-9, 0.0, 1.0], ["x", "x", "y", "y"]) == 0.5  # a float's noise is no difference
+    assert mixed_groups([], []) == 0.0

@@ -5,7 +5,6 @@ exactly as generated, masks, budgets, turn limits, slow tools, and tools running
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from siirl_dag.config import load_pipeline
 from siirl_dag.errors import ConfigError, format_path
 from nodes.tools import resolve_tool
 from siirl_dag.registry import tool
+from sandbox_checks import sandbox_processes
 from siirl_dag.strategies.samples import Sample
 
 
@@ -217,6 +217,7 @@ def test_a_tool_runs_no_longer_than_its_deadline():
     assert make_call(c, {"deadline_probe": probe.tool}).text == "ok" and seen[-1] == 60.0
 
 
+@pytest.mark.usefixtures("sandboxes_alone")
 def test_late_sandboxes_do_not_outlive_their_timeout_when_the_pool_is_full(tokenizer):
     from nodes.tools import python_sandbox
 
@@ -229,15 +230,35 @@ def test_late_sandboxes_do_not_outlive_their_timeout_when_the_pool_is_full(token
                           tokenizer, None)
     assert time.monotonic() - began < 3 and [t.tool_errors for t in done] == [1, 1, 1]
     time.sleep(1.0)  # the running sandbox stops at its deadline; the queued ones never start
-    assert not _sandbox_processes()
+    assert not sandbox_processes()
 
 
-def _sandbox_processes() -> list[str]:
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"bwrap"):
-                left.append(pid)
-        except OSError:
-            pass
-    return left
+@pytest.mark.parametrize("validating", [True, False])
+def test_agent_rollout_validates_at_the_val_temperature_with_its_seed(tokenizer, validating):
+    """Validation asks the engine for one sample at the options' val_temperature (0: greedy), seeded like training."""
+    from types import SimpleNamespace
+
+    from nodes.agent_rollout import agent_rollout
+
+    asked, seeds = [], []
+
+    class Engine:
+        options, pad_token_id, weights_version = {"chat_template": False, "n": 2}, tokenizer.pad_token_id, 0
+
+        def __init__(self):
+            self.tokenizer = tokenizer
+
+        def turns(self, sampling, max_response_length, stop):
+            asked.append(sampling)
+            scripted = Scripted(tokenizer, {k: [" #### 5"] for k in range(2)})
+            add = scripted.add
+            scripted.add = lambda key, ids, max_tokens, seed: (seeds.append(seed), add(key, ids, max_tokens, seed))
+            return scripted
+
+    params = {"tools": ["calculator"], "max_turns": 2, "max_tokens_per_turn": 16, "tool_timeout_s": 2.0, "tool_workers": 1}
+    data = SimpleNamespace(max_prompt_length=16, max_response_length=32)
+    ctx = SimpleNamespace(engine=Engine(), validating=validating, seed=7, metrics={}, check_weights_version=lambda: None,
+                          node=SimpleNamespace(params=params), data=data, expand=lambda index, out: out)
+    out = agent_rollout({"raw_prompt": ["Q: 2+3? A:"]}, ctx)
+    assert asked == [{"validate": True} if validating else {}]
+    assert len(out["responses"]) == (1 if validating else 2) and seeds[0] == 7

@@ -12,23 +12,12 @@ from pathlib import Path
 import pytest
 
 from nodes.tools import python_sandbox
+from sandbox_checks import sandbox_processes
 from nodes.tools import sandbox_policy as policy
 
-pytestmark = pytest.mark.skipif(python_sandbox.available() is not None,
-                                reason=f"no sandbox here: {python_sandbox.available()}")
-
-
-def sandbox_processes() -> list[str]:
-    """Processes of a sandbox's user, or bwrap's, still alive (none may be)."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            owner, cmd = os.stat(f"/proc/{pid}").st_uid, Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if (owner >= policy.UID_BASE and os.getuid() == 0) or cmd.startswith(b"bwrap"):
-            left.append(f"{pid}: {cmd[:80]!r}")
-    return left
+pytestmark = [pytest.mark.skipif(python_sandbox.available() is not None,
+                                 reason=f"no sandbox here: {python_sandbox.available()}"),
+              pytest.mark.usefixtures("sandboxes_alone")]
 
 
 def run(code: str, timeout_s: float = 3.0) -> tuple[str, float]:

@@ -6,6 +6,8 @@ is reported when its tensors are present, so GRPO batches simply have no critic/
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 
 
@@ -55,3 +57,17 @@ def batch_metrics(batch) -> dict:
         out.update(_lengths("prompt_length", prompt_mask))
     return out
 
+
+
+def varied_groups(per_sample: Sequence[float], index: Sequence[Hashable]) -> set:
+    """The groups (uids in `index`) whose samples do not all have the same value."""
+    groups: dict = {}
+    for uid, value in zip(index, per_sample):
+        groups.setdefault(uid, []).append(value)
+    return {uid for uid, values in groups.items() if max(values) - min(values) > 1e-6}
+
+
+def mixed_groups(per_sample: Sequence[float], index: Sequence[Hashable]) -> float:
+    """critic/mixed_groups: the share of groups whose samples' values differ, the groups from which a group
+    baseline (GRPO, RLOO) gets a non-zero advantage; 0 for an empty batch."""
+    return len(varied_groups(per_sample, index)) / max(len(set(index)), 1)

@@ -203,8 +203,8 @@ class Trainer:
         return metrics
 
     def validate(self) -> dict:
-        """Greedy rollouts over the validation set; each scorer's (dataflow.scorers) mean score per data
-        source, under its policy's prefix when several train."""
+        """Rollouts over the validation set (one per prompt, at the rollout's val_temperature); each scorer's
+        (dataflow.scorers) mean score per data source, under its policy's prefix when several train."""
         pipe, scorers = self.pipe, self.pipe.scorers
         if not scorers:
             return {}

@@ -58,6 +58,11 @@ class MeshPlan:
     colocated_with: str | None = None  # the anchor mesh whose devices this one shares
 
     @property
+    def anchor(self) -> str:
+        """The mesh whose processes host this one's ranks: its anchor, or itself."""
+        return self.colocated_with or self.name
+
+    @property
     def backend(self) -> str:
         return self.component.backend
 

@@ -65,9 +65,6 @@ class Runtime:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _anchor(self, mesh: str) -> str:
-        return self.pipe.plan.meshes[mesh].colocated_with or mesh
-
     def start(self) -> None:
         pipe, progress = self.pipe, self.progress
         self._check_local()
@@ -150,7 +147,7 @@ class Runtime:
             ctx = RankContext(slot.rank, dims, pipe.cluster.device, slot.local_device, pipe.trainer.seed)
             role = RoleSpec(node, kind, key, STRATEGIES[node.strategy].engine, pipe.models[node.model], pipe.data, tokenizer,
                             ctx, c.get("dp", 0), dims.dp, output_rank, pipe.samples_per_prompt(node.id))
-            out.append((self.workers[self._anchor(node.mesh)][slot.rank], role))
+            out.append((self.workers[mesh.anchor][slot.rank], role))
         return out
 
     def _tokenizer_for(self, node):
@@ -172,7 +169,7 @@ class Runtime:
 
     def group_of(self, node_id: str) -> str:
         mesh = self.pipe.nodes[node_id].mesh
-        return self._anchor(mesh) if mesh else COMPUTE
+        return self.pipe.plan.meshes[mesh].anchor if mesh else COMPUTE
 
     def dispatch(self, node_id: str, result: StepResult, job: Job, validating: bool, job_id: int = 0) -> Running:
         """Send `node_id` to its ranks, each with its rows of the outputs it reads from `result`."""

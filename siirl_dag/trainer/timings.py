@@ -42,13 +42,13 @@ def lines(pipe, record: dict) -> list[str]:
     and what the last run measured busy; the bottleneck; the driver side's nodes."""
     nodes, groups = record["nodes"], {}
     for n in pipe.nodes.values():
-        anchor = (pipe.plan.meshes[n.mesh].colocated_with or n.mesh) if n.mesh else None
+        anchor = pipe.plan.meshes[n.mesh].anchor if n.mesh else None
         groups.setdefault(anchor, {})[n.id] = nodes.get(n.id, 0.0)
     driver = groups.pop(None, {})
     out = [f"time per step, from the last run ({pipe.out_dir / FILE}: median of {record['steps']} steps under schedule "
            f"{record.get('schedule', '?')}): {record['step_s']:.3f} s, weight sync {record.get('sync_weights_s', 0):.3f} s"]
     for anchor, parts in groups.items():
-        names = " + ".join(m for m in pipe.meshes if (pipe.plan.meshes[m].colocated_with or m) == anchor)
+        names = " + ".join(m for m in pipe.meshes if pipe.plan.meshes[m].anchor == anchor)
         busy = record["busy"].get(anchor)
         measured = f"; busy {busy:.3f} s, idle {record['step_s'] - busy:.3f} s" if busy is not None else ""
         out.append(f"  mesh {names:<12} {sum(parts.values()):.3f} s ({_parts(parts)}){measured}")

@@ -80,7 +80,7 @@ def pair_of(pipe: Any, rollout: str) -> Pair:
     trainer = pipe.nodes[rollout].weights_from
     src, dst = (pipe.plan.meshes[pipe.nodes[n].mesh] for n in (trainer, rollout))
     machines = {src.ranks[0].machine} | {slot.machine for slot in dst.ranks}
-    colocated = (src.colocated_with or src.name) == (dst.colocated_with or dst.name)
+    colocated = src.anchor == dst.anchor
     return Pair(trainer, rollout, colocated, pipe.runtime.backend, pipe.cluster.device, len(machines),
                 pipe.runtime.weight_sync_path)
 

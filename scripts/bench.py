@@ -16,8 +16,8 @@ and reports the step time with the timeline recorded against without.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +43,7 @@ OTHERS = {  # script -> arguments; each prints JSON with --json
 
 def demo(path: str, steps: int, trace: bool = False) -> dict:
     from siirl_dag.config import load_pipeline
+    from siirl_dag.trainer import timings
     from siirl_dag.trainer.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,14 +52,13 @@ def demo(path: str, steps: int, trace: bool = False) -> dict:
                                     f"trainer.default_local_dir={tmp}/ckpt", f"trainer.trace={str(trace).lower()}",
                                     f"trainer.log_dir={tmp}/logs"], for_run=True)
         history = Trainer(pipe, progress=lambda *_: None).fit(Path(tmp) / "logs")
-    measured = [history["steps"][s] for s in sorted(history["steps"])[1:]] or list(history["steps"].values())  # skip warm-up
-    med = lambda key: statistics.median(m.get(key, 0.0) for m in measured)  # noqa: E731
-    nodes = {n: med(f"timing_s/{n}") for n in pipe.nodes}
-    step, sync, overhead = med("timing_s/step"), med("timing_s/sync_weights"), med("timing_s/engine_overhead")
-    meshes = {m: {"nodes": [n for n in pipe.nodes if pipe.nodes[n].mesh == m], "busy_s": step - med(f"timing_s/idle/{m}"),
-                  "idle_s": med(f"timing_s/idle/{m}")} for m in pipe.meshes}
-    return {"pipeline": path, "schedule": pipe.runtime.schedule, "steps_measured": len(measured), "step_s": step,
-            "node_s": nodes, "mesh_s": meshes, "sync_weights_s": sync,
+    record = timings.summary(pipe, history["steps"])  # medians after the first step (warm-up), as a run keeps them
+    med = functools.partial(timings.median, timings.measured(history["steps"]))
+    step, overhead = record["step_s"], med("timing_s/engine_overhead")
+    meshes = {m: {"nodes": [n for n in pipe.nodes if pipe.nodes[n].mesh == m], "busy_s": busy, "idle_s": step - busy}
+              for m, busy in record["busy"].items()}
+    return {"pipeline": path, "schedule": pipe.runtime.schedule, "steps_measured": record["steps"], "step_s": step,
+            "node_s": record["nodes"], "mesh_s": meshes, "sync_weights_s": record["sync_weights_s"],
             "sync_bytes": med("sync/bytes"), "engine_overhead_s": overhead, "engine_overhead_fraction": overhead / step,
             "tokens_per_s": med("perf/throughput") * pipe.cluster.total, "score_mean": med("critic/score/mean")}
 
@@ -73,12 +73,14 @@ def _script(args: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="steps of the demo (at least 2: the first is warm-up)")
     ap.add_argument("--pipeline", default=str(ROOT / "graphs" / "tiny_grpo_cpu.yaml"))
     ap.add_argument("--all", action="store_true", help="also run the other benchmark scripts")
     ap.add_argument("--trace", action="store_true", help="also the step time with trainer.trace on")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare loop (scripts/bench_bare.py) and the ratio")
     args = ap.parse_args()
+    if args.steps < 2:
+        ap.error("--steps must be at least 2: the first step is warm-up, left out of the medians")
     with json_stdout(args.json) as emit:
         report = {"demo": demo(args.pipeline, args.steps)}
         if not args.no_bare:

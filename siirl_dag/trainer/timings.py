@@ -14,16 +14,33 @@ from pathlib import Path
 FILE = "timings.json"
 
 
+def measured(steps: dict[int, dict]) -> list[dict]:
+    """The metrics of `steps` (step -> its metrics) after the first, in order."""
+    return [steps[s] for s in sorted(steps)[1:]]
+
+
+def median(rows: list[dict], key: str) -> float:
+    """A metric's median over `rows` (0 where a row lacks it)."""
+    return statistics.median(m.get(key, 0.0) for m in rows)
+
+
+def summary(pipe, steps: dict[int, dict]) -> dict | None:
+    """The medians of `steps` (step -> its metrics) as timings.json holds them; None for under 2 steps."""
+    rows = measured(steps)
+    if not rows:
+        return None
+    step = median(rows, "timing_s/step")
+    return {"steps": len(rows), "schedule": pipe.runtime.schedule, "step_s": step,
+            "sync_weights_s": median(rows, "timing_s/sync_weights"),
+            "nodes": {n: median(rows, f"timing_s/{n}") for n in pipe.nodes},
+            "busy": {m: step - median(rows, f"timing_s/idle/{m}") for m in pipe.meshes}}
+
+
 def write(out_dir: Path, pipe, steps: dict[int, dict]) -> None:
-    """Record the medians of `steps` (step -> its metrics) in out_dir/timings.json; nothing for under 2 steps."""
-    measured = [steps[s] for s in sorted(steps)[1:]]
-    if not measured:
+    """Record `summary` of `steps` in out_dir/timings.json; nothing for under 2 steps."""
+    record = summary(pipe, steps)
+    if record is None:
         return
-    median = lambda key: statistics.median(m.get(key, 0.0) for m in measured)  # noqa: E731
-    record = {"steps": len(measured), "schedule": pipe.runtime.schedule, "step_s": median("timing_s/step"),
-              "sync_weights_s": median("timing_s/sync_weights"),
-              "nodes": {n: median(f"timing_s/{n}") for n in pipe.nodes},
-              "busy": {m: median("timing_s/step") - median(f"timing_s/idle/{m}") for m in pipe.meshes}}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / FILE).write_text(json.dumps(record, indent=1))
 

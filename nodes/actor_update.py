@@ -77,14 +77,13 @@ def actor_update(batch, ctx):
     p = ctx.params
     seen = []  # with old_logprobs: update, each micro batch's (old, rollout log-probs, mask), for the metrics
 
-    def weights_of(old, rows):
-        return rollout_is_weights(old, rows["rollout_logprobs"], rows["response_mask"], p["rollout_is"],
-                                  p["rollout_is_threshold"])
+    def weights_of(old, rollout, mask):
+        return rollout_is_weights(old, rollout, mask, p["rollout_is"], p["rollout_is_threshold"])
 
     def loss_fn(logprobs, entropy, mb, totals):
         old = {"input": mb.get("old_logprobs"), "update": logprobs.detach(), "rollout": mb.get("rollout_logprobs")}[
             p["old_logprobs"]]
-        weights = None if p["rollout_is"] == "off" else weights_of(old, mb)
+        weights = None if p["rollout_is"] == "off" else weights_of(old, mb["rollout_logprobs"], mb["response_mask"])
         if weights is not None and p["old_logprobs"] == "update":
             seen.append((old, mb["rollout_logprobs"], mb["response_mask"]))
         return ppo_actor_loss(logprobs, old, mb["advantages"], mb["response_mask"], entropy=entropy,
@@ -99,12 +98,12 @@ def actor_update(batch, ctx):
                                replay_routes=p["routing_replay"])
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
     if p["rollout_is"] != "off" and p["old_logprobs"] == "input":  # this rank's rows (all of them on one DP rank)
-        ctx.metrics.update(rollout_corr_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
-                                                weights_of(batch["old_logprobs"], batch)))
+        rows = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
     elif seen:  # the micro batches' rows, on the last pipeline stage (where the loss is computed)
-        old, rollout, mask = (_rows([s[i] for s in seen]) for i in range(3))
-        ctx.metrics.update(rollout_corr_metrics(old, rollout, mask, weights_of(old, {"rollout_logprobs": rollout,
-                                                                                     "response_mask": mask})))
+        rows = tuple(_rows([s[i] for s in seen]) for i in range(3))
+    else:
+        return {}
+    ctx.metrics.update(rollout_corr_metrics(*rows, weights_of(*rows)))
     return {}
 
 

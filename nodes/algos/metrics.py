@@ -58,7 +58,6 @@ def batch_metrics(batch) -> dict:
     return out
 
 
-
 def varied_groups(per_sample: Sequence[float], index: Sequence[Hashable]) -> set:
     """The groups (uids in `index`) whose samples do not all have the same value."""
     groups: dict = {}

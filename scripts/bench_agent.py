@@ -1,11 +1,11 @@
 """The agent demo as shipped, at several seeds, each from its own fresh warm start (issue #52): for each seed,
 `scripts/make_agent_task.py` (data, model, warm start; `--seed`) in a fresh temporary folder, then
-`graphs/tiny_agent_tools_cpu.yaml` on it with `trainer.seed`; judged by the rise of greedy validation
-accuracy (bar: >= 0.15 at every seed, tool calls still made).
+`graphs/tiny_agent_tools_cpu.yaml` on it with `trainer.seed`; judged by the rise of validation accuracy
+(one answer per prompt at the graph's val_temperature; bar: >= 0.15 at every seed, tool calls still made).
 
     python scripts/bench_agent.py [--json] [--seeds 1 2 3] [key=value ...]
 
-Reports per seed: the warm start (steps, seconds, its greedy accuracy), the validation curve, the sampled
+Reports per seed: the warm start (steps, seconds, its sampled and greedy accuracy), the validation curve, the sampled
 score and the share of groups with mixed scores (critic/mixed_groups) over the first and the last five steps,
 tool calls per trajectory, the step time.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,32 +23,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from graph_run import python, run_graph  # noqa: E402
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 BAR, ACC = 0.15, "val-core/demo/agent_sum/acc"
 
 
-def _run(cmd: list[str]) -> str:
-    res = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT)
-    if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:2])} failed:\n{res.stderr[-3000:]}")
-    return res.stdout
-
-
 def one_seed(seed: int, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         task, began = Path(tmp) / "agent", time.perf_counter()
-        _run(["scripts/make_agent_task.py", str(task), "--seed", str(seed)])
+        python(["scripts/make_agent_task.py", str(task), "--seed", str(seed)])
         warm = json.loads((task / "warm_start.json").read_text())
         warm["wall_s"] = round(time.perf_counter() - began, 1)
         paths = [f"models.policy.path={task / 'model'}", f"data.train_files={task / 'train.parquet'}",
                  f"data.val_files={task / 'test.parquet'}", f"trainer.seed={seed}", "trainer.save_freq=-1",
-                 "trainer.export_hf=false", f"trainer.default_local_dir={tmp}/ckpt",
-                 f"trainer.tensorboard_dir={tmp}/tb", f"trainer.log_dir={tmp}/logs"]
-        began = time.perf_counter()
-        history = json.loads(_run(["-m", "siirl_dag.main", "graphs/tiny_agent_tools_cpu.yaml", "--json",
-                                   *paths, *overrides]))
-        wall = time.perf_counter() - began
+                 "trainer.export_hf=false"]
+        history, wall = run_graph("tiny_agent_tools_cpu", [*paths, *overrides])
     steps = [history["steps"][k] for k in sorted(history["steps"], key=int)]
     curve = {"0": history["val_before"][ACC]} | {k: m[ACC] for k, m in sorted(history["steps"].items(), key=lambda kv:
                                                                                   int(kv[0])) if ACC in m}

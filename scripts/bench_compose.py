@@ -15,28 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from graph_run import run_graph  # noqa: E402
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
-
-
-def run(graph: str, overrides: list[str]) -> tuple[dict, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        outputs = [f"trainer.default_local_dir={tmp}/ckpt", f"trainer.tensorboard_dir={tmp}/tb", f"trainer.log_dir={tmp}/logs"]
-        began = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "siirl_dag.main", f"graphs/{graph}.yaml", "--json", *outputs, *overrides],
-                             capture_output=True, text=True, cwd=ROOT)
-        wall = time.perf_counter() - began
-    if res.returncode != 0:
-        raise SystemExit(f"{graph} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout), wall
 
 
 def rise(history: dict, key: str) -> tuple[float, float]:
@@ -46,7 +32,7 @@ def rise(history: dict, key: str) -> tuple[float, float]:
 
 
 def judge(overrides: list[str]) -> dict:
-    history, wall = run("tiny_judge_cpu", overrides)
+    history, wall = run_graph("tiny_judge_cpu", overrides)
     before, after = rise(history, "val-core/demo/arith/acc")
     steps = list(history["steps"].values())
     mean = lambda key: statistics.mean(m[key] for m in steps if key in m)  # noqa: E731
@@ -57,7 +43,7 @@ def judge(overrides: list[str]) -> dict:
 
 
 def distill(overrides: list[str]) -> dict:
-    history, wall = run("tiny_distill_cpu", overrides)
+    history, wall = run_graph("tiny_distill_cpu", overrides)
     kl = [history["steps"][k]["distill/reverse_kl"] for k in sorted(history["steps"], key=int)]
     first, last = statistics.mean(kl[:3]), statistics.mean(kl[-3:])
     before, after = rise(history, "val-core/demo/arith/acc")
@@ -67,7 +53,7 @@ def distill(overrides: list[str]) -> dict:
 
 
 def two_agents(overrides: list[str]) -> dict:
-    history, wall = run("tiny_two_agents_cpu", overrides)
+    history, wall = run_graph("tiny_two_agents_cpu", overrides)
     before, after = rise(history, "reviewer/val-core/demo/arith/acc")
     solver = rise(history, "solver/val-core/demo/arith/acc")
     return {"system_val_acc_before": before, "system_val_acc_after": after, "rise": after - before, "bar": 0.05,

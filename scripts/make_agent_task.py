@@ -4,12 +4,10 @@ calling the calculator, and a supervised warm start that teaches it the call for
 A trajectory is the model's call, `<tool_call>{"name":"calculator","arguments":{"expression":"a+b+c"}}</tool_call>`,
 the calculator's answer as the chat template shows it, and the model's ` #### SUM`. The warm start trains on
 such trajectories (the tool's tokens masked, as in RL) until the accuracy of answers sampled at the RL run's
-temperature (0.7; graphs/tiny_agent_tools_cpu.yaml), the calculator really called, first reaches 12%. That is
-measured, not greedy accuracy: the copying of the digits is learnt in a sharp jump (greedy accuracy goes from
-under 10% to over 90% within ~20 steps) and half-way greedy decoding is right far more often than sampling
-(31% greedy with 1-9% sampled in issue #52; 49-91% greedy at 13-15.5% sampled, seeds 1-3), so a greedy target
-leaves RL without groups of mixed scores. Checked every 10th step until a sampled answer is right, then every
-2nd. One torch thread, deterministic algorithms, seeded: a seed gives the same warm start wherever torch
+temperature (0.7; graphs/tiny_agent_tools_cpu.yaml), the calculator really called, first reaches 12%: sampled,
+not greedy accuracy, since half-way through learning to copy the digits greedy decoding is right far more
+often than sampling and a greedy target leaves RL without groups of mixed scores (docs/AGENTS.md). Checked
+every 10th step until a sampled answer is right, then every 2nd. One torch thread, deterministic algorithms, seeded: a seed gives the same warm start wherever torch
 computes the same floats.
 Every step is skipped when its output already exists.
 

@@ -76,11 +76,11 @@ def test_the_reference_beside_the_rollout_computes_while_the_update_runs(tmp_pat
         "params: {{mini_batch_size: 4,", "params: {{mini_batch_size: 8, old_logprobs: update, rollout_is: token,")
     assert text.count("old_logprobs: update") == 1 and "old_logprob," not in text
     monkeypatch.setattr(test_e2e, "PIPELINE", text)
-    res = launch(tmp_path, tiny_model_dir, demo_data, BESIDE_ROLLOUT, 2, "ray", "trainer.total_steps=3", "--trace",
+    res = launch(tmp_path, tiny_model_dir, demo_data, BESIDE_ROLLOUT, 2, "ray", "trainer.total_steps=5", "--trace",
                  *ONE_STEP_OFF)
     steps = parsed(res)["steps"]
-    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 1]
-    for s in ("2", "3"):  # the old policy is the update's own: ratios of 1 before its one optimizer step
+    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3", "4", "5")] == [0, 1, 1, 1, 1]
+    for s in ("2", "3", "4", "5"):  # the old policy is the update's own: ratios of 1 before its one optimizer step
         assert steps[s]["actor/ppo_kl"] == pytest.approx(0, abs=1e-6) and steps[s]["actor/pg_clipfrac"] == 0
         assert steps[s]["rollout_corr/kl"] != 0 and steps[s]["actor/grad_norm"] > 0  # samples one version back
     (line,) = [x for x in res.stderr.splitlines() if x.startswith("[trainer] timeline of the run: ")]
@@ -88,6 +88,10 @@ def test_the_reference_beside_the_rollout_computes_while_the_update_runs(tmp_pat
     spans = [e for e in trace if e["ph"] == "X"]
     refs = [e for e in spans if e["name"] == "ref_logprob" and not e["args"]["validating"]]
     updates = [e for e in spans if e["name"] == "actor_update"]
+    syncs = {e["args"]["step"]: e for e in spans if e["name"] == "sync actor_update -> rollout"}
+    for r in refs:  # on the generating side: done before the weights of the step before it move to the rollout
+        if r["args"]["step"] > 1:
+            assert r["ts"] + r["dur"] <= syncs[r["args"]["step"] - 1]["ts"], r
     assert any(r["ts"] < u["ts"] + u["dur"] and u["ts"] < r["ts"] + r["dur"] and r["args"]["step"] == u["args"]["step"] + 1
                for r in refs for u in updates)  # the next batch's reference beside this step's update
 

@@ -5,10 +5,10 @@
 
 Builds a random Qwen2-style model, loads it into a real MegatronEngine on the GPU and syncs its weights
 into a rollout's parameters `--repeats` times after one warm-up:
-- colocated: `weight_sync.handoff` from the engine's export straight into the rollout's parameters,
+- colocated: `weight_sync.stream.handoff` from the engine's export straight into the rollout's parameters,
   in process (one GPU);
-- separate: the export cut into buckets (`weight_sync.buckets`) and broadcast over NCCL
-  (`weight_sync.collective.SyncGroup`) to a second process, which copies each bucket into its
+- separate: the export cut into buckets (`weight_sync.stream.Buckets`) and broadcast over NCCL
+  (`weight_sync.process_group.SyncGroup`) to a second process, which copies each bucket into its
   parameters, on the next GPU (NCCL refuses two ranks on one GPU: with one, this layout says so).
 The rollout is the set of HF-named parameters a rollout engine holds, filled by copies as vLLM's
 loader fills its own: vLLM is not part of this benchmark (its re-fusing of q/k/v is one more copy).
@@ -69,16 +69,16 @@ def _engine(model: str, bf16: bool):
 
 
 def colocated(engine, args) -> dict:
-    from siirl_dag.weight_sync import handoff
+    from siirl_dag.weight_sync.stream import handoff
 
     shapes = {name: (t.shape, t.dtype) for name, t in engine.export_hf_weights(copy=False)}
     rollout = Rollout(shapes, torch.device("cuda"))
-    handoff(engine, rollout, 0)  # warm-up
+    handoff(engine, rollout, 0, "model")  # warm-up
     times, copies, nbytes = [], [], 0
     for version in range(1, args.repeats + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        stats = handoff(engine, rollout, version)
+        stats = handoff(engine, rollout, version, "model")
         times.append(time.perf_counter() - t0)
         nbytes = stats["sync/bytes"]
         copies.append(device_copy_s(nbytes, 3))
@@ -90,11 +90,11 @@ def colocated(engine, args) -> dict:
 
 
 def _export_s(engine) -> float:
-    from siirl_dag.weight_sync.buckets import exported
+    from siirl_dag.weight_sync.stream import exported
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in exported(engine, {}):
+    for _ in exported(engine, {}, "model"):
         pass
     torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -103,7 +103,7 @@ def _export_s(engine) -> float:
 def _reader(port: int, shapes: dict, repeats: int) -> None:
     """The rollout's rank: each sync's buckets copied into its parameters, then the writer's marker,
     which it can only take once those copies are done (so the writer's clock includes them)."""
-    from siirl_dag.weight_sync.collective import SyncGroup
+    from siirl_dag.weight_sync.process_group import SyncGroup
 
     torch.cuda.set_device(1)
     group = SyncGroup("127.0.0.1", port, 1, 2, "cuda")
@@ -117,8 +117,8 @@ def _reader(port: int, shapes: dict, repeats: int) -> None:
 def separate(engine, args) -> dict:
     import multiprocessing as mp
 
-    from siirl_dag.weight_sync.buckets import Buckets, exported
-    from siirl_dag.weight_sync.collective import SyncGroup
+    from siirl_dag.weight_sync.process_group import SyncGroup
+    from siirl_dag.weight_sync.stream import Buckets, exported
 
     if torch.cuda.device_count() < 2:
         return {"layout": "separate", "not_run": "NCCL needs a GPU per rank ('Duplicate GPU detected' on one)"}
@@ -132,7 +132,7 @@ def separate(engine, args) -> dict:
         stats = {}
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        buckets = Buckets(exported(engine, stats), int(args.bucket_mb * 2**20), stats)
+        buckets = Buckets(exported(engine, stats, "model"), int(args.bucket_mb * 2**20), stats)
         while (bucket := buckets.next()) is not None:
             group.write(bucket)
         group.write(None)
@@ -160,6 +160,7 @@ def _result(layout, how, times, copies, nbytes, stages) -> dict:
             "sync_min_s": round(min(times), 5), "device_copy_s": round(statistics.median(copies), 5),
             "ratio_to_device_copy": round(statistics.median(t / c for t, c in zip(times, copies)), 2),
             "target_ratio": 3.0, "sync_GBps": round(nbytes / statistics.median(times) / 1e9, 1),
+            "sync_ms_per_GB": round(1000 * statistics.median(times) / (nbytes / 1e9), 2),
             "stages_s": {k: round(v, 5) for k, v in stages.items()}}
 
 

@@ -1,5 +1,6 @@
 """The levers that balance the demo's meshes, as pure logic: which nodes run ahead under one_step_off
-(a frozen model's log-probs on the rollout's devices join the generating side), where the update's old
+(a frozen model's log-probs on the rollout's devices, and the rewards and advantages of generated rows,
+join the generating side), where the update's old
 policy comes from (params.old_logprobs: checked at the door; `update` is the same update as an input of
 the current policy's log-probs), and the run's timings that `plan` shows."""
 
@@ -37,25 +38,28 @@ runtime: {schedule: one_step_off}
 """
 
 
-def test_frozen_nodes_reading_only_generated_rows_run_ahead_off_the_training_devices(tmp_path):
-    # the reference model shares the rollout's device: it computes beside the update (driver-side nodes stay)
-    assert schedule.generating_nodes(load(tmp_path, TEXT)) == {"rollout", "ref_logprob"}
-    assert "rollout, ref_logprob run up to 1 batch ahead of reward, advantage, actor_update" in \
+def test_nodes_reading_only_generated_rows_run_ahead_off_the_training_devices(tmp_path):
+    # the reference model shares the rollout's device: it computes beside the update, and so do the
+    # driver-side reward and advantage, which read only what the rollout made
+    generated = {"rollout", "reward", "advantage", "ref_logprob"}
+    assert schedule.generating_nodes(load(tmp_path, TEXT)) == generated
+    assert "rollout, reward, advantage, ref_logprob run up to 1 batch ahead of actor_update" in \
         schedule.describe(load(tmp_path, TEXT))
     # on the training side's device it waits for the update's turn, as before
     beside_train = TEXT.replace("colocate_with: gen", "colocate_with: train")
-    assert schedule.generating_nodes(load(tmp_path, beside_train)) == {"rollout"}
+    assert schedule.generating_nodes(load(tmp_path, beside_train)) == generated - {"ref_logprob"}
     # on a device of its own it runs ahead too
     alone = TEXT.replace('ref: {alloc: "megatron:d1", colocate_with: gen}', "ref: megatron:d1")
-    assert schedule.generating_nodes(load(tmp_path, alone)) == {"rollout", "ref_logprob"}
-    # a node computing with the weights the update moves stays behind
+    assert schedule.generating_nodes(load(tmp_path, alone)) == generated
+    # a node computing with the weights the update moves stays behind, and what reads it
     moving = TEXT.replace("mesh: ref, model: policy, params: {output: ref_logprobs}",
                           "mesh: train, model: policy, params: {output: ref_logprobs}")
-    assert schedule.generating_nodes(load(tmp_path, moving)) == {"rollout"}
-    # and so does one after a driver-side node, which on the rollout's device the door refuses: no overlap
+    assert schedule.generating_nodes(load(tmp_path, moving)) == generated - {"ref_logprob"}
+    reads_moving = moving.replace("deps: [reward]}", "deps: [reward, ref_logprob]}")
+    assert schedule.generating_nodes(load(tmp_path, reads_moving)) == {"rollout", "reward"}
+    # after a driver-side node that runs ahead, on the rollout's device: ahead as well
     after_reward = TEXT.replace("deps: [rollout], mesh: ref", "deps: [reward], mesh: ref")
-    (p,) = errors(tmp_path, after_reward)
-    assert p.path == ("nodes", 0, "mesh") and "shares devices [0] with the training side" in p.message
+    assert schedule.generating_nodes(load(tmp_path, after_reward)) == generated
 
 
 def test_old_logprobs_update_consumes_none_and_needs_one_epoch_of_one_mini_batch(tmp_path):

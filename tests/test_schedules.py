@@ -101,10 +101,12 @@ def test_sync_generates_trains_then_syncs(tmp_path):
 
 def test_one_step_off_generates_the_next_batch_while_one_trains(tmp_path):
     outcomes = train(pipeline(tmp_path, PLAIN, "runtime.schedule=one_step_off"), 4)
+    # each step ends with the sync and the next batch's generation started (the local backend runs
+    # calls in the order they are made): it runs beside the next update
     assert EVENTS == [("sync", 0, 0), ("gen", 1, 0),
                       ("update", 1), ("gen", 2, 0), ("sync", 1, 1),  # batch 2 generated beside step 1
-                      ("update", 2), ("gen", 3, 1), ("sync", 2, 2),
-                      ("update", 3), ("gen", 4, 2), ("sync", 3, 3),
+                      ("gen", 3, 1), ("update", 2), ("sync", 2, 2),
+                      ("gen", 4, 2), ("update", 3), ("sync", 3, 3),
                       ("update", 4), ("sync", 4, 4)]  # nothing left to generate
     assert [o.metrics["async/staleness/max"] for o in outcomes] == [0, 1, 1, 1]
     # a step's spans: its own training, and the generation of the batch after it (typed, not keyed)

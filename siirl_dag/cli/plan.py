@@ -60,6 +60,7 @@ def main(args) -> int:
         raise ConfigError("expected a pipeline YAML file or --alloc SPEC", ("pipeline",))
     pipe = load_pipeline(args.pipeline, args.overrides)
     if args.json:
+        ahead = schedule.generating_nodes(pipe) if pipe.runtime.schedule != "sync" else ()
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
                           "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh, "serves": pipe.serves.get(n.id),
                                            "inputs": {k: f"{src}.{key}" for k, (src, key) in n.inputs.items()}}
@@ -68,7 +69,7 @@ def main(args) -> int:
                           "memory": pipe.memory.to_json() if pipe.memory else None,
                           "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings],
                           "schedule": {"name": pipe.runtime.schedule, "staleness": pipe.runtime.staleness,
-                                       "ahead": sorted(schedule.generating_nodes(pipe)) if pipe.runtime.schedule != "sync" else [],
+                                       "ahead": [n for n in pipe.nodes if n in ahead],
                                        "depth": schedule.depth(pipe.runtime)},
                           "timings": timings.read(pipe.out_dir)}, indent=2))
         return 0

@@ -23,10 +23,10 @@ from siirl_dag.graph import phases_of
 def generating_nodes(pipe) -> frozenset:
     """The generating side, which runs ahead: every weights_from consumer and its ancestors, with dynamic
     sampling the filter and its ancestors (`graph.phases_of`: what each round re-runs), then, in order,
-    each node of a model no trainer moves that reads only those, on a mesh off the training side's
-    devices. A frozen reference model on the rollout's devices thus computes beside the update
-    (docs/BENCHMARKS.md); driver-side nodes (rewards, advantages) stay where they were: they hold no
-    device to balance."""
+    each node that reads only those and computes with no weights a trainer moves: driver-side nodes
+    (rewards, advantages) and a frozen model's nodes on a mesh off the training side's devices. A
+    frozen reference on the rollout's devices thus computes beside the update, and the update starts
+    on rows whose rewards and advantages are ready (docs/BENCHMARKS.md)."""
     rollouts = [n.id for n in pipe.nodes.values() if n.weights_from]
     ahead = set(rollouts).union(*(nx.ancestors(pipe.graph, r) for r in rollouts))
     phases = phases_of(pipe)
@@ -36,7 +36,7 @@ def generating_nodes(pipe) -> frozenset:
     held = moving.union(*(nx.descendants(pipe.graph, n) for n in moving))  # they read weights a trainer moves
     training_devices = _devices(pipe, held)
     for n in nx.topological_sort(pipe.graph):
-        if pipe.nodes[n].mesh and n not in ahead | held and set(pipe.graph.predecessors(n)) <= ahead and \
+        if n not in ahead | held and set(pipe.graph.predecessors(n)) <= ahead and \
                 not _devices(pipe, [n]) & training_devices:
             ahead.add(n)
     return frozenset(ahead)

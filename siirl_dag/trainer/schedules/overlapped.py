@@ -76,6 +76,7 @@ class Overlapped:
         metrics.update(self._sync_if_idle())
         now = time.perf_counter()
         spans += [Span(node, job.step, job.part, began, now) for node, job, began in self.scheduler.started()]
+        self._generate(next_source)  # the generating side goes on while the loop logs and checkpoints
         return Outcome(done, spans, metrics)
 
     def drain(self, next_source) -> dict:

@@ -113,6 +113,14 @@ def test_one_step_off_generates_the_next_batch_while_one_trains(tmp_path):
     assert {(s.node, s.step) for s in outcomes[1].spans} == {("update", 2), ("gen", 3)}
 
 
+def test_a_step_counts_the_nodes_that_ended_in_a_generation_still_running(tmp_path):
+    """The generation's rollout ends during step 1 and its second node in step 2: step 1's spans hold the
+    rollout's run (a job's result hands its spans over only when the job ends, a step later)."""
+    two_rounds = PLAIN + "  - {id: look, kind: t_join, deps: [gen], params: {keys: [x]}}\n"
+    outcomes = train(pipeline(tmp_path, two_rounds, "runtime.schedule=one_step_off"), 3)
+    assert ("gen", 2) in {(s.node, s.step) for s in outcomes[0].spans}
+
+
 def test_async_with_staleness_zero_keeps_the_sync_order(tmp_path):
     train(pipeline(tmp_path, PLAIN), 3)
     sync = list(EVENTS)

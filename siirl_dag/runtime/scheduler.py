@@ -43,6 +43,11 @@ class Scheduler:
         """The nodes running now: (node, its job, when it started (perf_counter))."""
         return [(node, self.jobs[i], run.started) for (i, node), run in self.running.items()]
 
+    def ended(self) -> list:
+        """The spans of the nodes that ended in jobs still running (a job's result hands them over only
+        when it finishes, maybe a step later)."""
+        return [span for i in self.jobs for span in self.results[i].spans]
+
     def wait(self) -> dict[int, StepResult]:
         """Run until at least one job has finished; the finished jobs' results by id ({} if none queued)."""
         while self.jobs:

@@ -51,7 +51,8 @@ class Overlapped:
 
     def step(self, next_source) -> Outcome:
         """Run until the next batch has trained. Its outcome's spans: of everything that ran meanwhile
-        (the nodes still running: up to now); its metrics: the staleness and the syncs'."""
+        (the nodes still running: up to now; those of a job still running: as they ended); its metrics:
+        the staleness and the syncs'."""
         metrics, spans, done = {}, [], None
         while done is None:
             metrics.update(self._sync_if_idle())
@@ -76,6 +77,7 @@ class Overlapped:
         metrics.update(self._sync_if_idle())
         now = time.perf_counter()
         spans += [Span(node, job.step, job.part, began, now) for node, job, began in self.scheduler.started()]
+        spans += self.scheduler.ended()
         self._generate(next_source)  # the generating side goes on while the loop logs and checkpoints
         return Outcome(done, spans, metrics)
 

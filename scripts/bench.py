@@ -88,10 +88,11 @@ def main() -> None:
     with json_stdout(args.json) as emit:
         report = {"demo": demo(args.pipeline, args.steps)}
         if not args.no_bare:
-            report["bare"] = bare = _script(["bench_bare.py", "--threads", "2", "--steps", str(args.steps)])
+            bare_loop = ["bench_bare.py", "--threads", "2", "--steps", str(args.steps)]
+            report["bare"] = bare = _script(bare_loop)
             rounds = [(report["demo"]["step_s"], bare["runs"][0]["step_s"])] if "runs" in bare else []
             for _ in range(args.rounds - 1 if rounds else 0):  # the host drifts: pairs taken minutes apart
-                again = _script(["bench_bare.py", "--threads", "2", "--steps", str(args.steps)])
+                again = _script(bare_loop)
                 if "runs" in again:
                     rounds.append((demo(args.pipeline, args.steps)["step_s"], again["runs"][0]["step_s"]))
             if rounds:

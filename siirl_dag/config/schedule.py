@@ -1,10 +1,10 @@
 """`runtime.schedule`: which part of a step runs ahead, how far, and what a schedule needs of the meshes.
 
 The rollouts (the nodes that take weights from a trainer) and their ancestors, with dynamic sampling
-the filter and its ancestors, and the frozen models' nodes that read only what those made (a
-reference model's log-probs, a judge: no trainer moves their weights) on devices off the training
-side's, are the generating side; they run ahead of the rest, the training side, into a queue
-of generated batches:
+the filter and its ancestors, and the nodes that read only what those made and compute with no weights
+a trainer moves (rewards and advantages on the driver's side; a reference model's log-probs, a judge,
+on devices off the training side's) are the generating side; they run ahead of the rest, the
+training side, into a queue of generated batches:
 - one_step_off: one batch ahead, generated while the step before it trains; a sample trains one
   weight version after the one that generated it (runtime.staleness >= 1).
 - async: up to runtime.staleness batches ahead, as far as the bound lets the rollouts' weights lag

@@ -95,7 +95,7 @@ def actor_update(batch, ctx):
 
     metrics = ctx.engine.train(batch, loss_fn, mini_batch_size=p["mini_batch_size"] * ctx.samples_per_prompt,
                                micro_batch_size=ctx.engine.opts["micro_batch_size"], epochs=p["epochs"],
-                               replay_routes=p["routing_replay"])
+                               replay_routes=p["routing_replay"], entropy_grad=p["entropy_coeff"] != 0)
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
     if p["rollout_is"] != "off" and p["old_logprobs"] == "input":  # this rank's rows (all of them on one DP rank)
         rows = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]

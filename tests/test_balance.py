@@ -89,7 +89,7 @@ class _Engine:
     def __init__(self, logits):
         self.w = logits.clone().requires_grad_()
 
-    def train(self, batch, loss_fn, mini_batch_size, micro_batch_size, epochs, replay_routes):
+    def train(self, batch, loss_fn, mini_batch_size, micro_batch_size, epochs, replay_routes, entropy_grad):
         sums = {}
         for s in range(0, batch["responses"].shape[0], micro_batch_size):
             mb = {k: v[s:s + micro_batch_size] for k, v in batch.items()}

@@ -111,6 +111,16 @@ def _one_rank_suite(rank, world, path):
         eng = engine({**OPTS, **opts})
         out[name] = eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=micro)["loss"]
         out[name + "_micro"] = batching.micro_size(micro, seq, eng.opts["dynamic_micro_batch_tokens"], 1, 1, 8)
+    # a loss without an entropy bonus: the entropy as a metric only (no grad) changes nothing but the work
+    for grad in (True, False):
+        eng, seen = engine(OPTS), []
+
+        def no_bonus(logprobs, entropy, mb, totals):
+            seen.append(entropy.requires_grad)
+            return pg_loss(logprobs, entropy.detach(), mb, totals)
+
+        out[f"entropy_grad_{grad}"] = (eng.train(batch, no_bonus, mini_batch_size=8, micro_batch_size=2, entropy_grad=grad),
+                                       dict(eng.export_hf_weights()), seen)
     return out
 
 
@@ -174,6 +184,17 @@ def test_dynamic_micro_batches_follow_the_token_budget(one_rank):
     # the loss is the mini batch's, however it is split
     assert out["dynamic"] == pytest.approx(out["fixed2"], abs=1e-6)
     assert out["fixed2"] == pytest.approx(out["fixed4"], abs=1e-6)
+
+
+@pytest.mark.engines
+def test_entropy_as_a_metric_only_leaves_the_update_as_it_was(one_rank):
+    (with_grad, weights, seen), (metric_only, weights_metric, seen_metric) = (
+        one_rank[1][f"entropy_grad_{g}"] for g in (True, False))
+    assert set(seen) == {True} and set(seen_metric) == {False}
+    for key in ("loss", "entropy", "grad_norm"):
+        assert metric_only[key] == pytest.approx(with_grad[key], rel=1e-6), key
+    for name, tensor in weights.items():
+        torch.testing.assert_close(weights_metric[name], tensor, atol=1e-7, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("sizes, opts, words", [

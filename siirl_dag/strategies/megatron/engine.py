@@ -273,19 +273,22 @@ class MegatronEngine(Strategy):
 
     # --------------------------------------------------------------- train
     def train(self, batch: Mapping[str, Any], loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int,
-              epochs: int = 1, entropy: bool = True, replay_routes: bool = False) -> dict[str, float]:
+              epochs: int = 1, entropy: bool = True, replay_routes: bool = False,
+              entropy_grad: bool = True) -> dict[str, float]:
         """PPO-style update: `epochs` passes over mini batches, one optimizer step per mini batch.
 
         mini_batch_size counts samples over all DP ranks (so results do not depend on the DP size);
         micro_batch_size is per rank. loss_fn(logprobs [b,R], entropy [b,R] | None, micro_batch, totals)
         -> (the micro batch's share of the mini batch's loss: its sums over the `totals` of the whole mini
         batch, metrics); the shares add up to the loss of the mini batch as one. `replay_routes`: as
-        compute_logprobs.
+        compute_logprobs. `entropy_grad=False`: the entropy is a metric only, computed outside autograd
+        (a loss without an entropy bonus does not pay its backward through the vocabulary).
         """
         self._need(False, "train")
 
         def loss(mb, logits, totals):
-            return loss_fn(*logprobs.response_logprobs(mb, logits, self.spec.vocab_size, self.mesh.cp, 1.0, entropy), mb, totals)
+            return loss_fn(*logprobs.response_logprobs(mb, logits, self.spec.vocab_size, self.mesh.cp, 1.0, entropy,
+                                                       entropy_grad), mb, totals)
 
         return self._update(batch, loss, mini_batch_size, micro_batch_size, epochs, replay_routes)
 

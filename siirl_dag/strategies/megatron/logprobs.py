@@ -38,30 +38,37 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool = False, entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) and (optionally) entropy per position; logits [..., V/tp], targets [...]."""
+    """log p(targets) and (optionally) entropy per position; logits [..., V/tp], targets [...].
+    `entropy_grad=False`: the entropy as a metric, outside autograd (no backward through the vocabulary)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     scaled = _mask_padded_vocab(logits.float() / temperature, vocab_size)
-    entropy = vocab_parallel_entropy(scaled) if with_entropy else None
-    # megatron's cross entropy works in place on its input: give it its own copy.
-    logp = -vocab_parallel_cross_entropy(scaled.clone() if with_entropy else scaled, targets)
-    return logp, entropy
+    entropy = None
+    if with_entropy and entropy_grad:
+        entropy = vocab_parallel_entropy(scaled)
+        scaled_for_ce = scaled.clone()  # megatron's cross entropy works in place on its input
+    else:
+        if with_entropy:
+            with torch.no_grad():
+                entropy = vocab_parallel_entropy(scaled.detach())
+        scaled_for_ce = scaled
+    return -vocab_parallel_cross_entropy(scaled_for_ce, targets), entropy
 
 
 def response_logprobs(mb: dict, logits: torch.Tensor, vocab_size: int, cp: int, temperature: float,
-                      entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [b, s(/cp), V/tp] of a micro batch (batching.micro_batches) -> log-probs (and entropy)
-    of its response tokens, [b, R]; 0 on response padding."""
+                      entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [b, s(/cp), V/tp] of a micro batch (batching.micro_batches) -> log-probs (and entropy,
+    differentiable or not: `token_logprobs`) of its response tokens, [b, R]; 0 on response padding."""
     idx = mb["_logit_index"]
     if cp == 1:  # only the response positions go through the vocab-wide softmax
         picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        lp, ent = token_logprobs(picked, mb["responses"], vocab_size, temperature, entropy)
+        lp, ent = token_logprobs(picked, mb["responses"], vocab_size, temperature, entropy, entropy_grad)
     else:  # this rank's positions, then the whole sequence from every CP rank
         ids = mb["_input_ids"]
         labels = context_parallel.local(torch.cat([ids[:, 1:], ids[:, :1]], 1))
-        lp, ent = token_logprobs(logits, labels, vocab_size, temperature, entropy)
+        lp, ent = token_logprobs(logits, labels, vocab_size, temperature, entropy, entropy_grad)
         lp = context_parallel.gather(lp).gather(1, idx)
         ent = context_parallel.gather(ent).gather(1, idx) if ent is not None else None
     mask = mb["_response_mask"]

@@ -44,8 +44,8 @@ def _hold(worker, engine_key: str, version: int) -> None:
     worker.engines[engine_key].hold(version)
 
 
-def _sync(self, step: int = 0, landed: frozenset = frozenset()) -> dict:
-    """WeightSyncs.run's stand-in: each rollout's engine told the version it now holds."""
+def _sync(self, step: int = 0, landed: frozenset = frozenset()):
+    """WeightSyncs.start's stand-in: each rollout's engine told the version it now holds; the wait returned."""
     metrics, versions = {}, self.rt.versions
     for dst, have in versions.held.items():
         version = versions.trainer[versions.source[dst]] + (versions.source[dst] in landed)
@@ -54,14 +54,14 @@ def _sync(self, step: int = 0, landed: frozenset = frozenset()) -> dict:
             versions.held[dst] = version
             EVENTS.append(("sync", step, version))
             metrics["timing_s/sync_weights"] = 0.0
-    return metrics
+    return lambda: metrics
 
 
 @pytest.fixture(autouse=True)
 def stand_ins(monkeypatch):
     monkeypatch.setitem(STRATEGIES, "megatron", replace(STRATEGIES["megatron"], engine="runtime_kinds:EchoEngine"))
     monkeypatch.setattr(Runtime, "init_group", lambda self, workers: None)  # one process: no process group
-    monkeypatch.setattr(WeightSyncs, "run", _sync)
+    monkeypatch.setattr(WeightSyncs, "start", _sync)
     EVENTS.clear()
     assert runtime_kinds.t_rollout
 

@@ -397,9 +397,9 @@ def test_a_resync_after_a_restart_stamps_an_update_that_landed_and_is_not_counte
         def __init__(self):
             self.versions = []
 
-        def sync(self, version):
+        def start(self, version):
             self.versions.append(version)
-            return {"sync/bytes": 1}
+            return lambda: {"sync/bytes": 1}
 
     pipe = load_pipeline(write(tmp_path, BASE))
     rt = SimpleNamespace(pipe=pipe, versions=WeightVersions.of(pipe), trace=None)

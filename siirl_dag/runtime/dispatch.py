@@ -274,6 +274,11 @@ class Runtime:
         """Every `weights_from` consumer up to its trainer's latest version (`weight_sync.syncs.WeightSyncs.run`)."""
         return self.weight_syncs.run(step)
 
+    def start_sync(self, step: int = 0):
+        """`sync_weights` started, its wait returned (`weight_sync.syncs.WeightSyncs.start`): nodes dispatched
+        before the wait run on their ranks after the sync's parts."""
+        return self.weight_syncs.start(step)
+
     # -- results and teardown -------------------------------------------------------------------
     def collect(self, result: StepResult, keys: Iterable[str], rows: int | None = None) -> Batch:
         """Bring named keys of a finished step to the driver, each from the latest output holding it

@@ -51,7 +51,7 @@ class Scheduler:
     def wait(self) -> dict[int, StepResult]:
         """Run until at least one job has finished; the finished jobs' results by id ({} if none queued)."""
         while self.jobs:
-            self._dispatch_ready()
+            self.dispatch_ready()
             finished = {i for i in self.jobs if not any(j == i for j, _ in self.pending) and
                         not any(j == i for j, _ in self.running)}
             if finished:
@@ -79,7 +79,8 @@ class Scheduler:
             done.update(self.wait())
         return [done[i] for i in ids]
 
-    def _dispatch_ready(self) -> None:
+    def dispatch_ready(self) -> None:
+        """Dispatch every node whose inputs are ready and whose mesh is free (`wait` does it too)."""
         for i, node_id in list(self.pending):
             group, result = self.rt.group_of(node_id), self.results[i]
             deps_done = all(d in result.outputs or d not in self.wanted[i] for d in self.rt.pipe.nodes[node_id].deps)

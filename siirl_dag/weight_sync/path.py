@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from siirl_dag.weight_sync.rank import SyncRank
 
@@ -37,9 +37,14 @@ class SyncPath(Protocol):
 
     def __init__(self, pair: Placed) -> None: ...
 
+    def start(self, version: int) -> Callable[[], dict]:
+        """Send every part its call at once: each rank runs its part after what it was asked before and
+        before what it is asked after (a rollout's next generate, a trainer's next update). Returns the
+        wait: the trainer's weights are in every rollout engine, stamped `version`, and these are the
+        `sync/<stat>` metrics; or the first part's failure is raised (the rollout then refuses to generate)."""
+
     def sync(self, version: int) -> dict:
-        """The trainer's weights into every rollout engine, stamped `version`; `sync/<stat>` metrics.
-        Raises if any part failed: the rollout then refuses to generate."""
+        """`start(version)`, waited for."""
 
     def close(self) -> None:
         """Let go of what the path holds on every rank (not awaited: a rank may be dead)."""
@@ -75,7 +80,7 @@ class Streamed:
     def _open(self) -> Any:
         raise NotImplementedError
 
-    def sync(self, version: int) -> dict:
+    def start(self, version: int) -> Callable[[], dict]:
         pair, backend = self.pair, self.pair.backend
         (keeper, key), walkers = pair.trainer_ranks[0], pair.trainer_ranks[1:]
         calls = [backend.call(w, SyncRank.walk_export, k, pair.payload) for w, k in walkers]
@@ -83,11 +88,18 @@ class Streamed:
                                   pair.payload))
         calls += [backend.call(w, SyncRank.receive_weights, k, version, self.name, pair.verify, pair.payload)
                   for w, k in pair.rollout_ranks]
-        results = wait_all(backend, calls)
-        stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
-        stats.update({stat: max(load[stat] for load in loads)  # the slowest rollout rank
-                      for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s")})
-        return stats
+
+        def wait() -> dict:
+            results = wait_all(backend, calls)
+            stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
+            stats.update({stat: max(load[stat] for load in loads)  # the slowest rollout rank
+                          for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s")})
+            return stats
+
+        return wait
+
+    def sync(self, version: int) -> dict:
+        return self.start(version)()
 
     def close(self) -> None:
         if self.closer is not None:

@@ -7,7 +7,10 @@ Whenever a job finishes, the loop applies, in order:
 1. both sides between batches and a rollout's weights behind its trainer's: sync them (weights
    travel only then, so a generation never sees them change half-way; under partial rollouts
    also between two segments of a batch, and new weights hold the training side until the
-   segment running ends, so that they go first; with dynamic sampling, between two rounds);
+   segment running ends, so that they go first; with dynamic sampling, between two rounds). A sync
+   is started, not awaited: the nodes dispatched next run on each rank after its part of it (the
+   update after the trainer's export, the generate after the rollout's load), and the loop waits
+   for it once they are dispatched, at the latest in the next step or `drain`;
 2. the training side free and the next batch generated: train on it, once every sample's
    `weights_version` is checked against runtime.staleness;
 3. the generating side free: the next job of the batch it is generating; else, the bound leaving
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 from siirl_dag.config import schedule
 from siirl_dag.dataflow import SOURCE
@@ -45,6 +49,7 @@ class Overlapped:
         self.generation: Generation | None = None  # the batch being generated, between its jobs too
         self.generating: int | None = None  # its job running (id)
         self.training: int | None = None  # job id
+        self.syncing: list[Callable[[], dict]] = []  # the waits of syncs started and not yet settled
 
     def _lag(self) -> int:
         return max(self.rt.versions.behind(dst) for dst, _ in self.pairs)
@@ -55,7 +60,7 @@ class Overlapped:
         the staleness and the syncs'."""
         metrics, spans, done = {}, [], None
         while done is None:
-            metrics.update(self._sync_if_idle())
+            self._start_sync_if_idle()
             # under a partial rollout, new weights wait for the segment running to end, then go first
             held = self.segment and self.generating is not None and self._lag() > 0
             if self.training is None and not held and self.queue and self.queue[0].batch == self.trained + 1:
@@ -67,6 +72,7 @@ class Overlapped:
             if self.scheduler.idle():  # the rules above always leave one side something to do
                 raise PipelineError(f"step {self.trained + 1}: the {self.pipe.runtime.schedule} schedule has nothing "
                                     "to run (a bug in siirl_dag: please report it)")
+            metrics.update(self._settle_syncs())
             for job, result in self.scheduler.wait().items():
                 spans += result.spans
                 if job == self.training:
@@ -74,33 +80,48 @@ class Overlapped:
                 else:
                     self._generated(result)
         self.trained += 1
-        metrics.update(self._sync_if_idle())
+        self._start_sync_if_idle()  # settled in the next step (or drain), after its update is dispatched
         now = time.perf_counter()
         spans += [Span(node, job.step, job.part, began, now) for node, job, began in self.scheduler.started()]
         spans += self.scheduler.ended()
         self._generate(next_source)  # the generating side goes on while the loop logs and checkpoints
+        self.scheduler.dispatch_ready()
         return Outcome(done, spans, metrics)
 
     def drain(self, next_source) -> dict:
         """Let the batch being generated finish into the queue (its later jobs on the newest weights)
         and bring the rollouts to the trainer's weights: before validation and checkpoints. Returns the
         syncs' metrics."""
-        metrics = {}
+        metrics = self._settle_syncs()
         while self.generation is not None:
             if self.generating is None:
-                metrics.update(self._sync_if_idle())
+                self._start_sync_if_idle()
                 self._generate(next_source)
+                metrics.update(self._settle_syncs())
             for _, result in self.scheduler.wait().items():
                 self._generated(result)
-        return {**metrics, **self._sync_if_idle()}
+        self._start_sync_if_idle()
+        return {**metrics, **self._settle_syncs()}
 
     def in_flight(self) -> list[Generated]:
         return list(self.queue)
 
-    def _sync_if_idle(self) -> dict:
+    def _start_sync_if_idle(self) -> None:
+        """Both sides between batches and a rollout behind: its sync started; the rollouts count as synced
+        from now, and `_settle_syncs` waits for it."""
         if self.training is None and self.generating is None and self._lag() > 0:
-            return self.rt.sync_weights(self.trained)
-        return {}
+            self.syncing.append(self.rt.start_sync(self.trained))
+
+    def _settle_syncs(self) -> dict:
+        """The nodes ready now dispatched, so that each rank runs them right after its part of the syncs
+        started (the trainer's next update after its export, the rollout's next generate after its load,
+        without a round trip through this process between them), then those syncs waited for: their
+        metrics. A failed sync raises here."""
+        self.scheduler.dispatch_ready()
+        metrics = {}
+        while self.syncing:
+            metrics.update(self.syncing.pop(0)())
+        return metrics
 
     def _generate(self, next_source) -> None:
         """The next job of the batch being generated, else of a new batch if the bound leaves room."""

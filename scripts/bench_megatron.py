@@ -10,7 +10,7 @@ Times are the best of `--repeats` interleaved runs (the least disturbed on a sha
 
     python scripts/bench_megatron.py [--hidden-size 256] [--num-layers 4] [--batch 16] [--threads 1] [--json]
     python scripts/bench_megatron.py --preset qwen3_8b_stage --device cuda --no-bare --json
-    python scripts/bench_megatron.py --preset qwen3_8b_stage --num-layers 4 --device cuda --no-bare --local-attention
+    python scripts/bench_megatron.py --preset qwen3_8b_stage --num-layers 4 --device cuda --no-bare --megatron-local-layers
 
 `--preset qwen3_8b_stage` is one GPU's share of graphs/qwen3_8b_grpo_megatron.yaml's actor (Qwen3-8B's
 shape, 36 layers cut into 4 pipeline stages: 9 layers, with the embedding and the LM head, prompt 1024 +
@@ -182,8 +182,9 @@ def parse_args():
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-bare", action="store_true", help="the engine alone (one copy of the model in memory)")
-    p.add_argument("--local-attention", action="store_true",
-                   help="megatron's own unfused core attention instead of torch's SDPA (what the engine builds without TE)")
+    p.add_argument("--megatron-local-layers", action="store_true",
+                   help="megatron's own local attention and MLP, not the leaner ones the engine builds without TE "
+                        "(siirl_dag/strategies/megatron/local_layers.py)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -213,11 +214,11 @@ def main() -> None:
 
     from siirl_dag.strategies.base import RankContext
     from siirl_dag.strategies.megatron import model as model_lib
-    from siirl_dag.strategies.megatron import sdpa_attention
+    from siirl_dag.strategies.megatron import local_layers
     from siirl_dag.strategies.megatron.engine import MegatronEngine
 
-    if a.local_attention:
-        sdpa_attention.use_sdpa = lambda block_spec: None
+    if a.megatron_local_layers:
+        local_layers.use_lean_layers = lambda block_spec: None
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(tmp, a, a.device)
         engine = MegatronEngine(RankContext(0, device=a.device), {"path": path}, {"lr": 1e-5, "bf16": a.bf16})
@@ -255,7 +256,7 @@ def main() -> None:
                   "params": sum(p.numel() for c in engine.chunks for p in c.parameters())},
         "batch": {"rows": a.batch, "seq": seq, "micro_batch": a.micro_batch},
         "threads": a.threads,
-        "attention": "megatron-local" if a.local_attention else "sdpa",
+        "layers": "megatron-local" if a.megatron_local_layers else "lean (local_layers.py)",
         "step_s": {k: round(v, 4) for k, v in med.items()},
         "step_s_median": {k: round(statistics.median(v), 4) for k, v in times.items()},
         "model_gflop_per_step": round(flops / 1e9, 2),

@@ -76,12 +76,12 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
     pre-norms into the linears an adapter must see the input of). megatron makes its parallel layers'
     weights on the GPU itself, but not the torch modules of its local spec (the RMSNorms without Apex
     or Transformer Engine): the chunks are moved as a whole. Without Transformer Engine the local spec's
-    core attention is torch's fused SDPA (sdpa_attention.py)."""
+    core attention and MLP are the leaner ones of local_layers.py."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from siirl_dag.strategies.megatron import sdpa_attention
+    from siirl_dag.strategies.megatron import local_layers
 
     cpu_compat.apply()  # megatron modules imported since init_parallel get the shims too
     vocab = -(-spec.vocab_size // mesh.tp) * mesh.tp
@@ -92,7 +92,7 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=with_te, normalization="RMSNorm",
                                                 vp_stage=vp_stage, pp_rank=ps.get_pipeline_model_parallel_rank())
         if not with_te:
-            sdpa_attention.use_sdpa(layer_spec)
+            local_layers.use_lean_layers(layer_spec)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

@@ -61,7 +61,8 @@ def reward(batch, ctx):
     p = ctx.params
     scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
     mask = batch["response_mask"].bool()
-    texts = [ctx.tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(batch["responses"], mask)]
+    texts = ctx.tokenizer.batch_decode([row[m].tolist() for row, m in zip(batch["responses"], mask)],
+                                       skip_special_tokens=True)
     extra = batch.get("extra_info") or [None] * len(texts)
     kwargs = {"method": p["method"], "format_score": p["format_score"]} if p["scorer"] == "auto" else {}
     scores = [float(scorer(src, text, gt, info, **kwargs))

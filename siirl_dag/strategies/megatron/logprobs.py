@@ -3,6 +3,8 @@ a micro batch's model output -> its response tokens' log-probs or values."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -46,15 +48,12 @@ def token_logprobs(
 
     scaled = _mask_padded_vocab(logits.float() / temperature, vocab_size)
     entropy = None
-    if with_entropy and entropy_grad:
-        entropy = vocab_parallel_entropy(scaled)
-        scaled_for_ce = scaled.clone()  # megatron's cross entropy works in place on its input
-    else:
-        if with_entropy:
-            with torch.no_grad():
-                entropy = vocab_parallel_entropy(scaled.detach())
-        scaled_for_ce = scaled
-    return -vocab_parallel_cross_entropy(scaled_for_ce, targets), entropy
+    if with_entropy:
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = vocab_parallel_entropy(scaled if entropy_grad else scaled.detach())
+    # megatron's cross entropy works in place on its input: a copy where the entropy's graph holds it
+    logp = -vocab_parallel_cross_entropy(scaled.clone() if with_entropy and entropy_grad else scaled, targets)
+    return logp, entropy
 
 
 def response_logprobs(mb: dict, logits: torch.Tensor, vocab_size: int, cp: int, temperature: float,

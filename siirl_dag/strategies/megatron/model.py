@@ -85,10 +85,10 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
 
     cpu_compat.apply()  # megatron modules imported since init_parallel get the shims too
     vocab = -(-spec.vocab_size // mesh.tp) * mesh.tp
+    with_te = use_transformer_engine() and lora_spec is None
     chunks = []
     for vp in range(mesh.vpp):
         vp_stage = vp if mesh.vpp > 1 else None
-        with_te = use_transformer_engine() and lora_spec is None
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=with_te, normalization="RMSNorm",
                                                 vp_stage=vp_stage, pp_rank=ps.get_pipeline_model_parallel_rank())
         if not with_te:

@@ -107,8 +107,10 @@ def test_n_samples_are_grouped(vllm_engine):
 @pytest.mark.engines
 def test_seed_reproducible_and_distinct_per_prompt(vllm_engine):
     a = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 5}, P, R)
+    host = torch.get_rng_state()
     b = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 5}, P, R)
     assert torch.equal(a["responses"], b["responses"])
+    assert torch.equal(torch.get_rng_state(), host)  # the call's seed leaves the process's own stream as it was
     # equal prompts still get their own random streams (no seed shared between rows)
     assert len({tuple(r.tolist()) for r in a["responses"]}) == 4
     c = vllm_engine.generate(["same", "same"], {"n": 2, "seed": 6}, P, R)

@@ -60,8 +60,8 @@ def reward(batch, ctx):
 
     p = ctx.params
     scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
-    mask = batch["response_mask"].bool()
-    texts = ctx.tokenizer.batch_decode([row[m].tolist() for row, m in zip(batch["responses"], mask)],
+    kept = zip(batch["responses"].tolist(), batch["response_mask"].tolist())  # lists: no tensor op per row
+    texts = ctx.tokenizer.batch_decode([[t for t, m in zip(row, mask) if m] for row, mask in kept],
                                        skip_special_tokens=True)
     extra = batch.get("extra_info") or [None] * len(texts)
     kwargs = {"method": p["method"], "format_score": p["format_score"]} if p["scorer"] == "auto" else {}

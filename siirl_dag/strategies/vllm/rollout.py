@@ -27,7 +27,7 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.strategies.base import RankContext, Strategy
 from siirl_dag.strategies.vllm import cpu_compat
 from siirl_dag.strategies.samples import PARTIAL, Sample, pack_batch, prompt_token_ids
-from siirl_dag.strategies.vllm.options import ROUTES_NEED_GPU, resolve_options, sampling_kwargs
+from siirl_dag.strategies.vllm.options import ROUTES_NEED_GPU, resolve_options, sampled_logprobs, sampling_kwargs
 from siirl_dag.strategies.vllm.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class VllmRollout(Strategy):
                                        f"expected 1 to max_prompt_length={max_prompt_length}; raise it or filter the data")])
         seed, limit = kw.pop("seed"), kw["max_tokens"]
         # only stop strings need the text
-        params = SamplingParams(**dict(kw, logprobs=0, detokenize=bool(kw["stop"]),
+        params = SamplingParams(**dict(kw, detokenize=bool(kw["stop"]),
                                        max_tokens=min(limit, max_new_tokens or limit)))
         with self._seeded(seed):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
@@ -174,7 +174,7 @@ class VllmRollout(Strategy):
         kw = sampling_kwargs(self.options, sampling or {}, max_response_length)
         seed, limit = kw.pop("seed"), kw["max_tokens"]
         todo = [i for i, s in enumerate(samples) if s.finish_reason == PARTIAL]
-        params = [SamplingParams(**dict(kw, n=1, logprobs=0, detokenize=bool(kw["stop"]),
+        params = [SamplingParams(**dict(kw, n=1, detokenize=bool(kw["stop"]),
                                         max_tokens=min(limit - len(samples[i].token_ids), max_new_tokens or limit),
                                         seed=None if seed is None else
                                         (seed + i * 1_000_003 + len(samples[i].token_ids) * 97) % 2**31))
@@ -273,7 +273,7 @@ def _sample(index: int, tokens: Sequence[int], logprobs: Sequence[float], comple
     new = list(completion.token_ids)
     total = [*tokens, *new]
     reason = PARTIAL if completion.finish_reason == "length" and len(total) < limit else completion.finish_reason
-    return Sample(index, total, [*logprobs, *(lp[t].logprob for lp, t in zip(completion.logprobs, new))], reason,
+    return Sample(index, total, [*logprobs, *sampled_logprobs(completion)], reason,
                   routed_experts=completion.routed_experts)
 
 

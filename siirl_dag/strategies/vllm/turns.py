@@ -8,7 +8,7 @@ import itertools
 from typing import Any
 
 from siirl_dag.strategies.samples import Sample
-from siirl_dag.strategies.vllm.options import sampling_kwargs
+from siirl_dag.strategies.vllm.options import sampled_logprobs, sampling_kwargs
 
 
 class Turns:
@@ -18,7 +18,7 @@ class Turns:
 
         kw = sampling_kwargs(options, sampling, max_response_length)
         kw.pop("seed")
-        kw.update(n=1, stop=kw["stop"] + stop, include_stop_str_in_output=True, logprobs=0,
+        kw.update(n=1, stop=kw["stop"] + stop, include_stop_str_in_output=True,
                   output_kind=RequestOutputKind.FINAL_ONLY)
         self._kw, self._engine, self._lora = kw, engine, lora_request
         self._ids, self._live = itertools.count(), {}
@@ -38,8 +38,8 @@ class Turns:
         for out in self._engine.step():
             if out.finished and out.request_id in self._live:
                 c = out.outputs[0]
-                logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-                done.append((self._live.pop(out.request_id), Sample(0, list(c.token_ids), logprobs, c.finish_reason)))
+                done.append((self._live.pop(out.request_id), Sample(0, list(c.token_ids), sampled_logprobs(c),
+                                                                    c.finish_reason)))
         return done
 
     @property

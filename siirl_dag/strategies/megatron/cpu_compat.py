@@ -239,7 +239,8 @@ def apply() -> None:
         _state["cpu"] = True
 
 
-def _te_installed() -> bool:
+def te_installed() -> bool:
+    """Whether Transformer Engine imports (megatron-core's fused layers; `model.use_transformer_engine`)."""
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
@@ -249,7 +250,7 @@ def _te_installed() -> bool:
 
 def apply_without_te() -> None:
     """Fixes for the local (non-TE) layer spec; no-op when Transformer Engine is installed."""
-    if _state["no_te"] or _te_installed():
+    if _state["no_te"] or te_installed():
         return
     with _lock:
         from megatron.core.transformer import torch_norm

@@ -35,13 +35,8 @@ def init_parallel(mesh: ParallelDims, seed: int) -> None:
 
 
 def use_transformer_engine() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """megatron-core builds its layers from Transformer Engine on a GPU that has it; else from its own."""
+    return torch.cuda.is_available() and cpu_compat.te_installed()
 
 
 class ValueHead(torch.nn.Linear):

@@ -149,16 +149,17 @@ class VllmRollout(Strategy):
 
     @contextlib.contextmanager
     def _seeded(self, seed: int | None) -> Iterator[None]:
-        """One seed for a whole call: the process's generators, which vLLM samples from, set to it (the
-        same on an engine's TP ranks, another per data-parallel engine) and given back afterwards. The
-        samples are reproducible for the same prompts in the same order. Not a seed per request: vLLM
-        draws from each request's own generator row by row at every step on a CPU (5% of the demo's
-        rollout), and on a GPU its FlashInfer sampler takes none and falls back to torch's."""
+        """One seed for a whole call: the process's generators, which vLLM samples from, set to it and
+        given back afterwards (an engine's TP ranks get the same seed from the runtime, its data-parallel
+        engines each their own). The samples are reproducible for the same prompts in the same order.
+        Not a seed per request: vLLM draws from each request's own generator row by row at every step on
+        a CPU (5% of the demo's rollout), and on a GPU its FlashInfer sampler takes none and falls back
+        to torch's."""
         if seed is None:
             yield
             return
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            torch.manual_seed(seed + 1_000_003 * (self.ctx.rank // self.tp))
+            torch.manual_seed(seed)
             yield
 
     def resume(self, prompt_ids: Sequence[Sequence[int]], samples: Sequence[Sample], sampling: dict[str, Any] | None,

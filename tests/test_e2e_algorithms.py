@@ -17,7 +17,7 @@ from test_e2e import PIPELINE, QUICK, SEPARATE, parsed
 DAPO = PIPELINE.replace(
     "  - {{id: reward, kind: reward, deps: [rollout]}}\n  - {{id: advantage, kind: advantage, deps: [reward]}}\n",
     "  - {{id: reward, kind: reward, deps: [rollout], params: {{overlong_buffer_len: 2}}}}\n"
-    "  - {{id: filter, kind: filter_groups, deps: [reward], params: {{metric: METRIC, max_gen_batches: 4}}}}\n"
+    "  - {{id: filter, kind: filter_groups, deps: [reward], params: {{metric: METRIC, max_gen_batches: 16}}}}\n"
     "  - {{id: advantage, kind: advantage, deps: [filter]}}\n",
 ).replace("use_kl_loss: true, entropy_coeff: 0.001", "use_kl_loss: true, clip_ratio_high: 0.28")
 GSPO = PIPELINE.replace(
@@ -36,11 +36,12 @@ def launch(tmp_path, text, model, data, metric="token_level_rewards") -> subproc
 
 
 def test_dapo_fills_each_step_with_prompts_whose_samples_differ(tmp_path, tiny_model_dir, demo_data):
-    # the tiny random model never answers right: its rewards differ by the overlong penalty alone
+    # the tiny random model never answers right: its rewards differ by the overlong penalty alone, in the
+    # groups where a sample drew EOS (~3% of samples): about one in a round of 8 prompts x 4 samples
     history = parsed(launch(tmp_path, DAPO, tiny_model_dir, demo_data))
     for step in ("1", "2"):
         m = history["steps"][step]
-        assert 1 <= m["dynamic_sampling/rounds"] <= 4
+        assert 1 <= m["dynamic_sampling/rounds"] <= 16
         assert m["dynamic_sampling/kept_groups"] >= 8  # train_batch_size prompts at least
         assert 0 < m["dynamic_sampling/kept_ratio"] <= 1
         assert "reward/overlong_penalty" in m and m["actor/grad_norm"] > 0
@@ -52,7 +53,7 @@ def test_dapo_that_cannot_fill_a_step_stops_in_one_line(tmp_path, tiny_model_dir
     # the prompt mask never differs between a prompt's samples: no group is ever kept
     res = launch(tmp_path, DAPO, tiny_model_dir, demo_data, metric="prompt_mask")
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "dynamic sampling kept 0 of the 8 prompts a step needs after 4 generation rounds" in res.stderr
+    assert "dynamic sampling kept 0 of the 8 prompts a step needs after 16 generation rounds" in res.stderr
     assert "raise max_gen_batches" in res.stderr
 
 
@@ -74,13 +75,16 @@ def test_shipped_dapo_runs_one_step_off_through_ray(tmp_path, tiny_model_dir, de
                  f"trainer.tensorboard_dir={tmp_path}/tb", f"trainer.log_dir={tmp_path}/logs",
                  "nodes.actor_update.params.mini_batch_size=8", "runtime.schedule=one_step_off", *QUICK,
                  # the tiny random model never answers right: its rewards differ by the overlong penalty alone
-                 "nodes.filter.params.metric=token_level_rewards"]
+                 "nodes.filter.params.metric=token_level_rewards", "nodes.filter.params.max_gen_batches=16"]
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "graphs/tiny_dapo_cpu.yaml", "--json", *overrides],
                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
     steps = parsed(res)["steps"]
-    assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 1]
+    # batches 2 and 3 are generated beside the update before them: samples one version old, unless every
+    # row a step kept came from rounds after the sync that dynamic sampling lets in between two rounds
+    staleness = [steps[s]["async/staleness/max"] for s in ("1", "2", "3")]
+    assert staleness[0] == 0 and max(staleness[1:]) == 1 and all(v <= 1 for v in staleness)
     for m in steps.values():
-        assert 1 <= m["dynamic_sampling/rounds"] <= 6 and m["dynamic_sampling/kept_groups"] >= 8
+        assert 1 <= m["dynamic_sampling/rounds"] <= 16 and m["dynamic_sampling/kept_groups"] >= 8
         assert m["actor/grad_norm"] > 0 and m["critic/advantages/max"] > 0 > m["critic/advantages/min"]
     state = json.loads((tmp_path / "ckpt" / "global_step_2" / "trainer_state.json").read_text())
     assert state["in_flight"] == [3]

@@ -193,10 +193,12 @@ class Runtime:
         trains = pipe.kinds[node_id].trains
         ranges = equal_ranges(space.rows, dp) if trains else balanced_ranges(space.tokens, dp)
         # seeded per data-parallel rank: the ranks of one tensor-parallel engine must draw the same samples;
-        # and by the steps trained before the job, so that a seed draws what it drew before steps were
-        # numbered from 1 everywhere (`runtime.step`)
+        # by the steps trained before the job, so that a seed draws what it drew before steps were
+        # numbered from 1 everywhere (`runtime.step`); and by the job's part, so that each round of dynamic
+        # sampling (and each segment) draws afresh rather than the same noise again
         trained = step if validating else step - 1
-        seed_base = (pipe.trainer.seed * 1_000_003 + trained * 1_009 + pipe.nodes[node_id].index * 97) % (2**31)
+        seed_base = (pipe.trainer.seed * 1_000_003 + trained * 1_009 + pipe.nodes[node_id].index * 97
+                     + job.part * 104_729) % (2**31)
         src = pipe.nodes[node_id].weights_from
         min_version = max(0, self.versions.trainer[src] - pipe.runtime.staleness) if src else 0
         calls, ranks = [], []

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graph_run import python, run_graph  # noqa: E402
+from graph_run import python, run_graph, steps_in_order, val_curve  # noqa: E402
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 BAR, ACC = 0.15, "val-core/demo/agent_sum/acc"
@@ -39,9 +39,7 @@ def one_seed(seed: int, overrides: list[str]) -> dict:
                  f"data.val_files={task / 'test.parquet'}", f"trainer.seed={seed}", "trainer.save_freq=-1",
                  "trainer.export_hf=false"]
         history, wall = run_graph("tiny_agent_tools_cpu", [*paths, *overrides])
-    steps = [history["steps"][k] for k in sorted(history["steps"], key=int)]
-    curve = {"0": history["val_before"][ACC]} | {k: m[ACC] for k, m in sorted(history["steps"].items(), key=lambda kv:
-                                                                                  int(kv[0])) if ACC in m}
+    steps, curve = steps_in_order(history), val_curve(history, ACC)
     mean = lambda key, part: round(statistics.mean(m[key] for m in part), 3)  # noqa: E731
     before, after = curve["0"], list(curve.values())[-1]
     return {"seed": seed, "warm_start": warm, "val_curve": curve, "rise": round(after - before, 3),

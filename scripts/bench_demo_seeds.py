@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graph_run import run_graph  # noqa: E402
+from graph_run import run_graph, steps_in_order, val_curve  # noqa: E402
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 BAR, ACC, GRAPH = 0.15, "val-core/demo/arith/acc", "tiny_grpo_cpu"
@@ -27,9 +27,7 @@ BAR, ACC, GRAPH = 0.15, "val-core/demo/arith/acc", "tiny_grpo_cpu"
 def one_seed(seed: int, overrides: list[str]) -> dict:
     history, wall = run_graph(GRAPH, [f"trainer.seed={seed}", "trainer.save_freq=-1", "trainer.export_hf=false",
                                       *overrides])
-    steps = [history["steps"][k] for k in sorted(history["steps"], key=int)]
-    curve = {"0": history["val_before"][ACC]} | {k: m[ACC] for k, m in sorted(history["steps"].items(),
-                                                                              key=lambda kv: int(kv[0])) if ACC in m}
+    steps, curve = steps_in_order(history), val_curve(history, ACC)
     rise = round(list(curve.values())[-1] - curve["0"], 3)
     score = lambda part: round(statistics.mean(m["critic/score/mean"] for m in part), 3)  # noqa: E731
     return {"seed": seed, "val_curve": curve, "rise": rise, "met": rise >= BAR, "score_first10": score(steps[:10]),

@@ -29,3 +29,15 @@ def run_graph(graph: str, overrides: list[str]) -> tuple[dict, float]:
         began = time.perf_counter()
         history = json.loads(python(["-m", "siirl_dag.main", f"graphs/{graph}.yaml", "--json", *outputs, *overrides]))
         return history, time.perf_counter() - began
+
+
+def steps_in_order(history: dict) -> list[dict]:
+    """A run's --json history: the metrics of each step, in step order."""
+    return [history["steps"][k] for k in sorted(history["steps"], key=int)]
+
+
+def val_curve(history: dict, metric: str) -> dict[str, float]:
+    """`metric` before training ("0") and at each step that validated, in step order."""
+    steps = history["steps"]
+    validated = {k: steps[k][metric] for k in sorted(steps, key=int) if metric in steps[k]}
+    return {"0": history["val_before"][metric], **validated}

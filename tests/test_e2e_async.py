@@ -102,7 +102,8 @@ def test_async_runs_two_batches_ahead_through_ray(tmp_path, tiny_model_dir, demo
     # samples two versions old, the bound; every sample was checked against it as its step began
     assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 2]
     assert all(steps[s]["async/staleness/max"] <= 2 for s in steps)
-    assert steps["2"]["async/queued"] >= 1  # a batch still waiting when step 2 took its own
+    # batches waiting when a step took its own: how many depends on the two sides' speeds, never past the bound
+    assert all(0 <= steps[s]["async/queued"] <= 2 for s in steps)
     assert all(steps[s]["actor/grad_norm"] > 0 for s in steps)
 
 

@@ -167,7 +167,7 @@ class RayBackend:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.groups[machine], placement_group_bundle_index=local)
             options.update(num_gpus=1, num_cpus=1) if cluster.device == "cuda" else options.update(num_cpus=self.pipeline.runtime.cpus_per_rank)
         actor = ray.remote(RankWorker).options(**options).remote(group, rank, world, cluster.device, threads,
-                                                                 self.log_dir and str(self.log_dir))
+                                                                 self.log_dir and str(self.log_dir), own_process=True)
         self.actors.append(actor)
         return actor
 

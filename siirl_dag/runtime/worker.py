@@ -7,6 +7,7 @@ nodes bound to the same mesh and model share one engine (old log-probs come from
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import socket
@@ -57,10 +58,12 @@ class RankWorker(SyncRank):
     """The weight flow's calls (`address`, `open_pipe`, `send_weights`, ...) are `SyncRank`'s."""
 
     def __init__(self, group: str, rank: int, world_size: int, device: str = "cpu", threads: int = 1,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, own_process: bool = False):
         """`log_dir`: the run's log folder; a rank process (not the driver, quiet already) logs to a
-        file of its own there, whose last lines go with its errors."""
+        file of its own there, whose last lines go with its errors. `own_process`: the worker is its
+        process's only tenant (a Ray actor), so what its engines build lives as long as the process."""
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        self.own_process = own_process
         self.log_file = None
         if log_dir:
             self.log_file = os.path.join(log_dir, "driver.log")
@@ -99,6 +102,9 @@ class RankWorker(SyncRank):
                 except Exception:  # noqa: BLE001 - say which engine on which rank, with the traceback
                     raise NodeError(f"{role.node.id} (building engine {role.engine_key})", self.rank,
                                     socket.gethostname(), self._with_log(traceback.format_exc())) from None
+        if self.own_process:  # the engines' start-up objects out of the collector's reach: a full
+            gc.collect()      # collection in a step walks what the steps made, not every module of the engines
+            gc.freeze()
         return sorted(self.engines)
 
     # -- work -----------------------------------------------------------------------------------

@@ -121,6 +121,15 @@ def _one_rank_suite(rank, world, path):
 
         out[f"entropy_grad_{grad}"] = (eng.train(batch, no_bonus, mini_batch_size=8, micro_batch_size=2, entropy_grad=grad),
                                        dict(eng.export_hf_weights()), seen)
+    # the LM head at the response positions only (response_head.py), and at every position
+    for narrowed in (True, False):
+        eng, widths = engine(OPTS), []
+        eng._head.enabled = narrowed
+        eng.chunks[0].output_layer.register_forward_hook(lambda m, args, output: widths.append(args[0].shape[0]))
+        out[f"narrowed_{narrowed}"] = (eng.compute_logprobs(batch, micro_batch_size=4)["logprobs"],
+                                       eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2),
+                                       eng.compute_logprobs(batch, micro_batch_size=4)["logprobs"], set(widths))
+    out["seq"] = batching.seq_length(batch)
     return out
 
 
@@ -195,6 +204,20 @@ def test_entropy_as_a_metric_only_leaves_the_update_as_it_was(one_rank):
         assert metric_only[key] == pytest.approx(with_grad[key], rel=1e-6), key
     for name, tensor in weights.items():
         torch.testing.assert_close(weights_metric[name], tensor, atol=1e-7, rtol=0, msg=name)
+
+
+@pytest.mark.engines
+def test_the_lm_head_computes_the_response_positions_only(one_rank):
+    """Log-probs, the update and the log-probs after it as with the head at every position; the head
+    saw a micro batch's response width (make_batch's 5 columns), not its sequence."""
+    out = one_rank[1]
+    (before, metrics, after, widths), (before_all, metrics_all, after_all, widths_all) = (
+        out[f"narrowed_{n}"] for n in (True, False))
+    assert widths == {5} and widths_all == {out["seq"]} and out["seq"] > 5
+    torch.testing.assert_close(before, before_all, atol=1e-6, rtol=0)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert metrics[key] == pytest.approx(metrics_all[key], rel=1e-5), key
+    torch.testing.assert_close(after, after_all, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("sizes, opts, words", [

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from siirl_dag.errors import ConfigError
 from siirl_dag.strategies.base import MiniBatchTotals, RankContext, Strategy
 from siirl_dag.strategies.megatron import (batching, checkpoint, context_parallel, hf_convert, logprobs, lora, memory,
-                                           offload, options, optim, routing_replay)
+                                           offload, options, optim, response_head, routing_replay)
 from siirl_dag.strategies.megatron import model as model_lib
 from siirl_dag.strategies.megatron.spec import keywords
 
@@ -57,6 +57,7 @@ class MegatronEngine(Strategy):
         self.lora = self.model_field("lora")  # models.lora.LoraSpec: the base frozen, adapters trained
         self.chunks = model_lib.build_model(self.spec, self.config, self.mesh, self.device, self.lora, self.opts["seed"])
         routing_replay.release(self.chunks)
+        self._head = response_head.ResponseHead(self.chunks, self.config, self.mesh.cp)
         self._routers: dict[int, list] = {}  # id(model chunk) -> its MoE routers, for routing replay
         self._records: dict | None = None  # while recording routes: (micro batch, layer) -> the experts chosen
         # a recomputed forward re-runs the routers: replayed routes queue for it (routing_replay.Replay)
@@ -153,7 +154,8 @@ class MegatronEngine(Strategy):
             self._routers[id(model)] = routing_replay.routers(model)
         found = self._routers[id(model)]
         with routing_replay.Replay(found, mb.get("_routed_experts"), self.config.sequence_parallel, self.device,
-                                   self._routers_recompute), routing_replay.Record(found, self._records, mb.get("_micro")):
+                                   self._routers_recompute), routing_replay.Record(found, self._records, mb.get("_micro")), \
+                self._head.at(mb["_logit_index"]) as mb["_at_responses"]:
             out = model(context_parallel.local(mb["_input_ids"]), context_parallel.local(mb["_position_ids"]), None)
         return out, functools.partial(loss, mb)
 

@@ -58,10 +58,13 @@ def token_logprobs(
 
 def response_logprobs(mb: dict, logits: torch.Tensor, vocab_size: int, cp: int, temperature: float,
                       entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [b, s(/cp), V/tp] of a micro batch (batching.micro_batches) -> log-probs (and entropy,
-    differentiable or not: `token_logprobs`) of its response tokens, [b, R]; 0 on response padding."""
+    """logits [b, s(/cp), V/tp] of a micro batch (batching.micro_batches), or [b, R, V/tp] already at the
+    response positions (`_at_responses`: response_head.py) -> log-probs (and entropy, differentiable or
+    not: `token_logprobs`) of its response tokens, [b, R]; 0 on response padding."""
     idx = mb["_logit_index"]
-    if cp == 1:  # only the response positions go through the vocab-wide softmax
+    if mb.get("_at_responses"):
+        lp, ent = token_logprobs(logits, mb["responses"], vocab_size, temperature, entropy, entropy_grad)
+    elif cp == 1:  # only the response positions go through the vocab-wide softmax
         picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         lp, ent = token_logprobs(picked, mb["responses"], vocab_size, temperature, entropy, entropy_grad)
     else:  # this rank's positions, then the whole sequence from every CP rank
@@ -75,6 +78,9 @@ def response_logprobs(mb: dict, logits: torch.Tensor, vocab_size: int, cp: int, 
 
 
 def response_values(mb: dict, values: torch.Tensor) -> torch.Tensor:
-    """Value-head output [b, s(/cp), 1] -> the value of the state before each response token, [b, R]."""
+    """Value-head output [b, s(/cp), 1], or [b, R, 1] at the response positions -> the value of the state
+    before each response token, [b, R]."""
+    if mb.get("_at_responses"):
+        return values.squeeze(-1).float() * mb["_response_mask"]
     full = context_parallel.gather(values.squeeze(-1).float())
     return full.gather(1, mb["_logit_index"]) * mb["_response_mask"]

@@ -19,6 +19,7 @@ from typing import Any
 from siirl_dag import console
 from siirl_dag.refs import import_ref
 from siirl_dag.runtime.batch import Batch, row_tokens
+from siirl_dag.runtime import host_malloc
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.strategies.engines import TrainerEngine
@@ -71,6 +72,8 @@ class RankWorker(SyncRank):
                 self.log_file = os.path.join(log_dir, f"{group.strip('_')}-rank{rank}-{os.getpid()}.log")
                 console.redirect(self.log_file)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        if own_process and device == "cpu":
+            host_malloc.keep_freed_memory()
         import torch
 
         torch.set_num_threads(threads)

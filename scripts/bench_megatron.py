@@ -3,8 +3,9 @@
 The bare loop is what a megatron-core user writes by hand: GPTModel with `labels` (megatron's own
 vocab-parallel cross entropy), DDP, `get_megatron_optimizer`, `get_forward_backward_func`, and a
 policy-gradient loss over the response tokens. The engine step does the same math through our
-batch layout (alignment, micro batches, response log-prob gather, metrics). Also reports achieved
-model FLOP/s against this machine's measured matmul FLOP/s (fp32 1024^2 on a CPU, same threads; bf16
+batch layout (alignment, micro batches, response log-probs, metrics), with the LM head at the response
+positions only (response_head.py; the bare loop's `labels` take every position). Also reports achieved
+model FLOP/s (the LM head counted at the response positions) against this machine's measured matmul FLOP/s (fp32 1024^2 on a CPU, same threads; bf16
 8192^2 on a GPU) and, on a GPU, against the chip's dense bf16 peak (MFU as papers report it).
 Times are the best of `--repeats` interleaved runs (the least disturbed on a shared machine).
 
@@ -154,14 +155,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def model_flops(spec, tokens: int, seq: int) -> float:
-    """6 x (dense parameter count) x tokens + causal attention scores/values, forward + backward."""
+def model_flops(spec, tokens: int, seq: int, predicted: int) -> float:
+    """6 x (the layers' parameter count) x tokens + causal attention scores/values, forward + backward,
+    and the LM head's 6 x h x V at the `predicted` positions only (the response's: what a policy
+    update needs, and all the engine computes; the embedding lookup is not a matmul)."""
     h, f, L, v = spec.hidden_size, spec.ffn_hidden_size, spec.num_layers, spec.vocab_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * f
-    dense = L * per_layer + h * v  # the LM head (the embedding lookup is not a matmul)
     attention = L * q * seq  # QK^T and AV over (causally) half the sequence, as a parameter count
-    return 3 * 2 * (dense + attention) * tokens
+    return 3 * 2 * ((L * per_layer + attention) * tokens + h * v * predicted)
 
 
 def parse_args():
@@ -247,7 +249,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     # Best of the repeats: on a shared machine the minimum is the run least disturbed by others.
     med = {k: min(v) for k, v in times.items()}
-    flops = model_flops(engine.spec, a.batch * seq, seq)
+    flops = model_flops(engine.spec, a.batch * seq, seq, a.batch * a.response_len)
     peak = max(matmul_flops(a.device, 0.3) for _ in range(5))
     result = {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",

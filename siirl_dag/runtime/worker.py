@@ -18,8 +18,8 @@ from typing import Any
 
 from siirl_dag import console
 from siirl_dag.refs import import_ref
-from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime import host_malloc
+from siirl_dag.runtime.batch import Batch, row_tokens
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.strategies.engines import TrainerEngine

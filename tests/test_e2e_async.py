@@ -97,7 +97,10 @@ def test_the_reference_beside_the_rollout_computes_while_the_update_runs(tmp_pat
 
 
 def test_async_runs_two_batches_ahead_through_ray(tmp_path, tiny_model_dir, demo_data):
-    steps = parsed(launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "ray", "trainer.total_steps=5", *ASYNC_2))["steps"]
+    # the generating side (rollout and reference) on a device of its own, and an update of 4 epochs
+    # that outlasts two rollouts: the order below does not hang on the two sides' speeds
+    steps = parsed(launch(tmp_path, tiny_model_dir, demo_data, BESIDE_ROLLOUT, 2, "ray", "trainer.total_steps=5",
+                          "nodes.actor_update.params.epochs=4", *ASYNC_2))["steps"]
     # batches 2 and 3 are generated with the first weights while step 1 trains: step 3 trains on
     # samples two versions old, the bound; every sample was checked against it as its step began
     assert [steps[s]["async/staleness/max"] for s in ("1", "2", "3")] == [0, 1, 2]

@@ -5,8 +5,9 @@ vocab-parallel cross entropy), DDP, `get_megatron_optimizer`, `get_forward_backw
 policy-gradient loss over the response tokens. The engine step does the same math through our
 batch layout (alignment, micro batches, response log-probs, metrics), with the LM head at the response
 positions only (response_head.py; the bare loop's `labels` take every position). Also reports achieved
-model FLOP/s (the LM head counted at the response positions) against this machine's measured matmul FLOP/s (fp32 1024^2 on a CPU, same threads; bf16
-8192^2 on a GPU) and, on a GPU, against the chip's dense bf16 peak (MFU as papers report it).
+model FLOP/s (the LM head counted at the response positions) against this machine's measured matmul
+FLOP/s (fp32 1024^2 on a CPU, same threads; bf16 8192^2 on a GPU) and, on a GPU, against the chip's
+dense bf16 peak (MFU as papers report it).
 Times are the best of `--repeats` interleaved runs (the least disturbed on a shared machine).
 
     python scripts/bench_megatron.py [--hidden-size 256] [--num-layers 4] [--batch 16] [--threads 1] [--json]

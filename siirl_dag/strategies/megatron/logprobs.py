@@ -62,10 +62,9 @@ def response_logprobs(mb: dict, logits: torch.Tensor, vocab_size: int, cp: int, 
     response positions (`_at_responses`: response_head.py) -> log-probs (and entropy, differentiable or
     not: `token_logprobs`) of its response tokens, [b, R]; 0 on response padding."""
     idx = mb["_logit_index"]
-    if mb.get("_at_responses"):
-        lp, ent = token_logprobs(logits, mb["responses"], vocab_size, temperature, entropy, entropy_grad)
-    elif cp == 1:  # only the response positions go through the vocab-wide softmax
-        picked = logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    narrowed = mb.get("_at_responses")
+    if narrowed or cp == 1:  # only the response positions go through the vocab-wide softmax
+        picked = logits if narrowed else logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         lp, ent = token_logprobs(picked, mb["responses"], vocab_size, temperature, entropy, entropy_grad)
     else:  # this rank's positions, then the whole sequence from every CP rank
         ids = mb["_input_ids"]

@@ -324,18 +324,3 @@ def test_roll_async_generation_on_devices_of_its_own(tmp_path, capsys):
                       + "async_generation_ratio: 1\n")
     doc, _, plan = imported("roll", source, tmp_path, capsys)
     assert doc["runtime"] == {"schedule": "async", "staleness": 1} and plan["meshes"]["gen"]["devices"] == list(range(16, 24))
-
-
-@pytest.mark.parametrize("peer, source, expected", [
-    ("roll", SHAPES / "roll_agentic.yaml", "an agentic pipeline (multi-turn environments: train_env_manager, custom_envs)"),
-    ("areal", None, "an agent workflow (my.agents.Search)"),
-    ("verl", None, "a multi-turn rollout with tools"),
-])
-def test_agentic_configs_are_refused_up_front_saying_what_is_missing(tmp_path, capsys, peer, source, expected):
-    if source is None:
-        source = tmp_path / ("s.sh" if peer == "verl" else "s.yaml")
-        source.write_text("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.multi_turn.enable=True\n"
-                          if peer == "verl" else "workflow: my.agents.Search\nrollout: {backend: 'sglang:d1'}\n")
-    assert main(["import", "--from", peer, str(source), "-o", str(tmp_path / "p.yaml")]) == 2
-    err = capsys.readouterr().err
-    assert expected in err and "agent_rollout" in err and "Traceback" not in err

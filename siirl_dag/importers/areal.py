@@ -5,7 +5,8 @@ The devices come from the per-engine `backend` strings (`rollout.backend: sglang
 its devices) or the legacy `allocation_mode` (`sglang:d4+megatron:d4`). The strings are AReaL's
 allocation syntax, which ours extends, so they carry over as written; SGLang becomes vLLM and FSDP or
 Archon becomes Megatron on the same devices. AReaL is asynchronous: `max_head_offpolicyness: N`
-becomes `runtime.schedule: async` with `staleness: N`.
+becomes `runtime.schedule: async` with `staleness: N`. An agent workflow becomes the agent_rollout
+node where a built-in matches it (`areal_agentic`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from siirl_dag.errors import ConfigError
+from siirl_dag.importers import areal_agentic
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
-from siirl_dag.importers.features import AGENTIC, decay_steps, lora, refuse
+from siirl_dag.importers.features import decay_steps, lora, refuse
 from siirl_dag.importers.source import Source
 from siirl_dag.placement.allocation import parse_allocation
 
@@ -36,7 +38,7 @@ def read(path: str | Path) -> Source:
 
 
 def convert(src: Source) -> Draft:
-    _refuse_what_is_not_rlvr(src)
+    _refuse_what_is_not_rl(src)
     for key, why in NO_COUNTERPART.items():
         src.drop_under(key, why)
     meshes, world, server = _meshes(src)
@@ -94,6 +96,7 @@ def convert(src: Source) -> Draft:
     _advantage(src, draft, n)
     _rollout_engine(src, draft, server)
     _asynchrony(src, draft)
+    areal_agentic.convert(src, draft)  # after the rollout section's catch-all, so its agent keys say their own why
     for key, part in (("train_dataset.path", "train_files"), ("valid_dataset.path", "val_files")):
         if not all_parquet(draft.data.get(part)):
             src.remark(key, PARQUET_NOTE)
@@ -170,14 +173,8 @@ def _legacy(src: Source, text: str) -> str:
     return "+".join(fixed)
 
 
-def _refuse_what_is_not_rlvr(src: Source) -> None:
-    """Agent workflows (multi-turn, tools, environments) and runs without a rollout (SFT, DPO, reward
-    models) are refused before anything is converted, saying what is missing."""
-    workflow = str(src.value("workflow", ""))
-    markers = [k for k in ("rollout.agent", "max_turns", "max_tokens_per_trajectory", "agent", "env", "tau2")
-               if src.under(k)]
-    if (workflow and "rlvr" not in workflow.lower()) or markers:
-        refuse(src, "workflow" if workflow else markers[0], f"an agent workflow ({workflow or markers[0]}); {AGENTIC}")
+def _refuse_what_is_not_rl(src: Source) -> None:
+    """Runs without a rollout (SFT, DPO, reward models) are refused before anything is converted."""
     if not (src.value("rollout.backend") or src.value("allocation_mode") or src.under("gconfig")):
         refuse(src, "", "no rollout (rollout.backend, allocation_mode, gconfig): an SFT, DPO or reward-model "
                         "experiment, which is not RL training; expected an RL experiment")

@@ -1,8 +1,9 @@
 """The pipeline every importer writes: the RL step of verl, siiRL, ROLL and AReaL as one DAG.
 
-rollout -> reward -> (critic values) -> advantage, old and reference log-probs beside them, then
-the (critic and) actor updates; weights flow actor_update -> rollout. Importers fill a `Draft`
-with what the source says; `document()` lays it out as a pipeline YAML would be written by hand.
+rollout (or agent_rollout, multi-turn) -> reward -> (critic values) -> advantage, old and reference
+log-probs beside them, then the (critic and) actor updates; weights flow actor_update -> rollout.
+Importers fill a `Draft` with what the source says; `document()` lays it out as a pipeline YAML would
+be written by hand.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Draft:
     policy: dict
     data: dict
     meshes: dict[str, Any]  # gen, actor, and ref / critic when used
-    rollout: dict = field(default_factory=dict)
+    rollout: dict = field(default_factory=dict)  # the rollout node's options
+    agent: dict = field(default_factory=dict)  # agent_rollout params (`agentic`); empty: a plain rollout node
     reward: dict = field(default_factory=dict)
     advantage: dict = field(default_factory=dict)
     logprob: dict = field(default_factory=dict)  # old log-prob options (on the actor's mesh)
@@ -80,8 +82,8 @@ class Draft:
         uses_critic = self.critic_model is not None
         models = {POLICY: drop_none(self.policy)} | ({CRITIC: drop_none(self.critic_model)} if uses_critic else {})
         kl_in_reward = bool(self.reward.get("kl_coef"))  # the penalty needs both log-probs before the reward
-        nodes = [_node("rollout", "rollout", [], mesh="gen", model=POLICY, weights_from="actor_update",
-                       options=self.rollout),
+        nodes = [_node("rollout", "agent_rollout" if self.agent else "rollout", [], mesh="gen", model=POLICY,
+                       weights_from="actor_update", options=self.rollout, params=self.agent),
                  _node("reward", "reward", ["rollout"] + (["old_logprob", "ref_logprob"] if kl_in_reward and uses_ref else []),
                        params=self.reward)]
         if self.filter_groups:

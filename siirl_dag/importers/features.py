@@ -1,8 +1,10 @@
 """Features every peer spells its own way, mapped once onto this engine's: LoRA, the learning-rate
-schedule's length, and the up-front refusal of configurations this importer cannot carry (agentic
-multi-turn environments, runs that are not RL training)."""
+schedule's length, and the refusal of configurations this importer cannot carry (runs that are not
+RL training; agents that are the peer's own Python, `agentic`)."""
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.importers.draft import Draft
@@ -44,11 +46,7 @@ def decay_steps(src: Source, draft: Draft, key: str, total_steps: int | None, pe
                     "kept constant; set the actor's lr_decay_style and lr_decay_steps")
 
 
-def refuse(src: Source, key: str, message: str) -> None:
-    """Stop before converting anything: the source is a kind of run this importer does not carry."""
-    raise ConfigError(Problem((key,) if key else (), message, file=src.file, line=src.line(key) or 1))
-
-
-AGENTIC = ("this engine's multi-turn rollouts are the agent_rollout node: tool calls (calculator, python, or "
-           "module:function tools) inside one generation, not environments or agent workflows; write the "
-           "agent_rollout node by hand (docs/IMPORT.md)")
+def refuse(src: Source, key: str, message: str) -> NoReturn:
+    """Stop: the source is a kind of run this importer does not carry (at the file and line of `key`)."""
+    file, line = src.where(key) if key else (src.file, None)
+    raise ConfigError(Problem((key,) if key else (), message, file=file, line=line or 1))

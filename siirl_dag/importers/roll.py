@@ -13,13 +13,15 @@ import math
 from pathlib import Path
 
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, megatron_sizes, strategy_options
-from siirl_dag.importers.features import AGENTIC, lora, refuse
+from siirl_dag.importers.agentic import WRITE_ENV, refuse_agent
+from siirl_dag.importers.features import lora
 from siirl_dag.importers.roll_keys import parse_device_list, replicas
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.placement.rules import parallel_sizes
 from siirl_dag.importers.source import Source
 from siirl_dag.registry import STRATEGIES
 
+ENVIRONMENTS = ("custom_envs", "custom_env", "train_env_manager", "val_env_manager", "env_manager")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ROLES = {"actor_train": "actor", "actor_infer": "gen", "reference": "ref"}
 ESTIMATORS = {"grpo": "grpo", "gae": "gae", "reinforce": "reinforce_plus_plus"}
@@ -40,9 +42,7 @@ def read(path: str | Path) -> Source:
 
 
 def convert(src: Source) -> Draft:
-    agentic = [k for k in ("train_env_manager", "val_env_manager", "custom_envs", "env_manager") if src.under(k)]
-    if agentic:
-        refuse(src, src.under(agentic[0])[0], f"an agentic pipeline (multi-turn environments: {', '.join(agentic)}); {AGENTIC}")
+    _refuse_environments(src)
     for key, why in NO_COUNTERPART.items():
         src.drop_under(key, why)
     per_node = src.take("num_gpus_per_node", 8, kind=int)
@@ -89,6 +89,22 @@ def convert(src: Source) -> Draft:
             src.remark(key, PARQUET_NOTE)
     src.raise_problems()
     return draft
+
+
+def _refuse_environments(src: Source) -> None:
+    """ROLL's agentic pipelines step its environments (Sokoban, FrozenLake, WebShop ...), ROLL's Python:
+    refused, saying what an environment is here, with the turn and token limits the YAML gives."""
+    found = [k for k in ENVIRONMENTS if src.under(k)]
+    if not found:
+        return
+    sections = src.under("custom_envs") + src.under("custom_env")
+    named = ", ".join(f"{key.split('.')[1]} (env_type {src.value(key)})" for key in sections if key.count(".") == 2
+                      and key.endswith(".env_type"))
+    steps = [src.value(k) for k in sections if k.endswith(".max_steps")] + [src.value("max_actions_per_traj")]
+    refuse_agent(src, src.under(found[0])[0], f"an agentic pipeline ({', '.join(found)}"
+                 + (f": ROLL's environments {named})" if named else ")"), WRITE_ENV,
+                 {"max_turns": max((s for s in steps if isinstance(s, int)), default=None),
+                  "max_tokens_per_turn": src.value("max_tokens_per_step")})
 
 
 def _meshes(src: Source) -> tuple[list[int], dict, int]:

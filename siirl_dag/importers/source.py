@@ -31,10 +31,11 @@ class Left:
     why: str = ""
 
     def __str__(self) -> str:
-        return f"{self.key}={_show(self.value)}" + (f" ({self.why})" if self.why else " (no counterpart known)")
+        return f"{self.key}={short(self.value)}" + (f" ({self.why})" if self.why else " (no counterpart known)")
 
 
-def _show(value: Any) -> str:
+def short(value: Any) -> str:
+    """A value as the audit shows it: at most 60 characters."""
     text = repr(value) if not isinstance(value, str) else value
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -50,27 +51,43 @@ class Source:
     remarks: list[Left] = field(default_factory=list)  # carried over, but not exactly
     problems: list[Problem] = field(default_factory=list)
     unresolved: dict[str, str] = field(default_factory=dict)  # key -> why its value is not known
+    origins: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # key -> (file, line) read from another file
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> Source:
-        """A YAML file, flattened; a file that is not a mapping is refused at its line."""
+    def from_yaml(cls, path: str | Path, *, lists: bool = False, whole: tuple[str, ...] = ()) -> Source:
+        """A YAML file, flattened (`lists`: lists of mappings too, by index: `tools.0.class_name`; keys
+        named in `whole` keep their value whole, one row); a file that is not a mapping is refused at its line."""
         doc, positions = load_yaml(path, "a YAML configuration file")
         if not isinstance(doc, dict):
             raise ConfigError(Problem((), "expected a YAML mapping of configuration keys", file=str(path), line=1))
         flat: dict[str, tuple[Any, int | None]] = {}
-        _flatten(doc, (), positions, flat)
+        _flatten(doc, (), positions, flat, lists, whole)
         return cls(str(path), flat).resolve()
+
+    def include(self, other: Source, prefix: str = "") -> None:
+        """Another file's keys (a file this one names), under `prefix`; keys this source sets itself win.
+        Their lines are the other file's, so they are kept as origins (problems point there)."""
+        for key, (value, line) in other.keys.items():
+            if prefix + key not in self.keys:
+                self.keys[prefix + key] = (value, None)
+                self.origins[prefix + key] = (other.file, line)
+                if key in other.unresolved:
+                    self.unresolved[prefix + key] = other.unresolved[key]
 
     def resolve(self) -> Source:
         """OmegaConf references resolved; a value still holding one (a resolver, an unknown key) is unresolved."""
         resolve_references(self.keys)
         for key, (value, _) in self.keys.items():
             if isinstance(value, str) and _REF_ANY.search(value) and key not in self.notes:
-                self.unresolved.setdefault(key, f"{_show(value)} is an OmegaConf interpolation that is not resolved here")
+                self.unresolved.setdefault(key, f"{short(value)} is an OmegaConf interpolation that is not resolved here")
         return self
 
     def has(self, key: str) -> bool:
         return key in self.keys
+
+    def where(self, key: str) -> tuple[str, int | None]:
+        """The file and line that set `key` (this source's, or the file it was included from)."""
+        return self.origins.get(key, (self.file, self.line(key)))
 
     def line(self, key: str) -> int | None:
         return self.keys.get(key, (None, None))[1]
@@ -122,7 +139,8 @@ class Source:
         return [k for k in self.keys if k == prefix or k.startswith(prefix + ".")]
 
     def problem(self, key: str, message: str) -> None:
-        self.problems.append(Problem((key,), message, file=self.file, line=self.line(key)))
+        file, line = self.where(key)
+        self.problems.append(Problem((key,), message, file=file, line=line))
 
     def carried(self) -> list[Left]:
         """Keys carried over as written (taken, present, and not remarked)."""
@@ -143,10 +161,15 @@ def _tuple(kind) -> tuple:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
-def _flatten(value: Any, path: tuple, positions: dict, out: dict) -> None:
-    if isinstance(value, dict) and value:
+def _flatten(value: Any, path: tuple, positions: dict, out: dict, lists: bool = False, whole: tuple = ()) -> None:
+    kept = bool(path) and path[-1] in whole  # one row for the whole value
+    if isinstance(value, dict) and value and not kept:
         for k, v in value.items():
-            _flatten(v, path + (k,), positions, out)
+            _flatten(v, path + (k,), positions, out, lists, whole)
+        return
+    if lists and isinstance(value, list) and value and not kept and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):
+            _flatten(v, path + (i,), positions, out, lists, whole)
         return
     pos = positions.get(path)
     out[".".join(str(p) for p in path)] = (value, pos[0] if pos else None)

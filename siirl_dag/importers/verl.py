@@ -6,13 +6,15 @@ and reference's Megatron sizes from `*.megatron.*`, the rollout's tensor paralle
 `rollout.tensor_model_parallel_size`, data parallel what is left. Batch sizes keep verl's
 meaning: `ppo_mini_batch_size` counts prompts before `rollout.n` (as our `mini_batch_size`), the
 `*_per_gpu` micro batches count samples per data-parallel rank (as our `micro_batch_size`); the
-deprecated global micro batch sizes are divided by the data-parallel size, as verl does.
+deprecated global micro batch sizes are divided by the data-parallel size, as verl does. A
+multi-turn rollout with tools becomes the agent_rollout node (`verl_agentic`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from siirl_dag.importers import verl_agentic
 from siirl_dag.importers.draft import Draft, megatron_sizes
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.shell_script import read_script
@@ -115,6 +117,7 @@ def convert(src: Source) -> Draft:
         trainer={ours: (src.take_path if key in PATHS else src.take)(f"trainer.{key}") for key, ours in TRAINER.items()}
         | {"logger": _loggers(src)},
     )
+    verl_agentic.convert(src, draft)
     draft.actor_params["use_kl_loss"] = use_kl_loss or None
     draft.actor_params["policy_loss"] = {"vanilla": None}.get(draft.actor_params["policy_loss"], draft.actor_params["policy_loss"])
     clip = src.take(f"{A}.actor.clip_ratio")

@@ -1,13 +1,14 @@
 """What verl says outside its plain PPO keys: the named config a script starts from
-(`--config-name=ppo_megatron_trainer`), the one-step-off and fully-async recipes' split between
-rollout and trainer devices, DAPO's dynamic sampling and overlong shaping, dynamic batch sizes."""
+(`--config-name=ppo_megatron_trainer`, or a config of the script's own, read), the one-step-off and
+fully-async recipes' split between rollout and trainer devices, DAPO's dynamic sampling and overlong
+shaping, dynamic batch sizes."""
 
 from __future__ import annotations
 
 import math
 
+from siirl_dag.importers import side_files
 from siirl_dag.importers.draft import Draft
-from siirl_dag.importers.features import AGENTIC, refuse
 from siirl_dag.importers.source import Source
 
 A = "actor_rollout_ref"
@@ -22,20 +23,37 @@ SCORES = {"acc": "token_level_scores", "score": "token_level_scores", "seq_final
 
 
 def named_config(src: Source) -> None:
-    """Apply the defaults of the config the script names (what it does not override itself)."""
+    """Apply the defaults of the config the script names (what it does not override itself): verl's own
+    are known by name; the script's own (a Hydra config on top of one of verl's) is read where it is
+    found (`side_files`), its keys used where the script does not set them."""
     name = str(src.take("--config-name", "ppo_trainer")).removesuffix(".yaml").strip("'\"")
+    base = name if name in KNOWN_CONFIGS else _own_config(src, name)
     src.take("--config-path")
-    if "multiturn" in name or src.value(f"{A}.rollout.multi_turn.enable", False) is True:
-        refuse(src, f"{A}.rollout.multi_turn.enable" if src.has(f"{A}.rollout.multi_turn.enable") else "--config-name",
-               f"a multi-turn rollout with tools ({name}); {AGENTIC}")
-    if name not in KNOWN_CONFIGS:
-        src.remark("--config-name", f"{name}'s own defaults are not known here: verl's "
-                                    f"{'ppo_megatron_trainer' if 'megatron' in name else 'ppo_trainer'} defaults are used")
-    if "megatron" in name:
+    if "megatron" in base:
         tp = src.value(f"{A}.actor.megatron.tensor_model_parallel_size", 1)
         for key, value in MEGATRON_DEFAULTS.items():
             if key not in src.keys and not (key.endswith("sequence_parallel") and tp == 1):
                 src.keys[key] = (value, None)  # as the named config sets it; line: none in the script
+
+
+def _own_config(src: Source, name: str) -> str:
+    """Read the script's own named config where it is found; returns the verl config it starts from."""
+    fallback = "ppo_megatron_trainer" if "megatron" in name else "ppo_trainer"
+    path, tried = side_files.find(src, "--config-path", f"{name}.yaml")
+    if path is None:
+        src.remark("--config-name", f"{name}.yaml is not found (tried {', '.join(side_files.shown(src, p) for p in tried)}): "
+                                    f"its own settings are not known here, verl's {fallback} defaults are used")
+        return fallback
+    side_files.read(src, path)
+    src.taken.add("--config-path")  # found, also where the script's variables leave the path unknown
+    defaults = src.value("defaults")
+    named = [d for d in defaults if isinstance(d, str) and d != "_self_"] if isinstance(defaults, list) else []
+    base = named[0] if named else fallback
+    src.drop("defaults", f"Hydra's defaults list: verl's {base} defaults are used")
+    src.drop_under("hydra", "Hydra's own settings")
+    src.remark("--config-name", f"read {side_files.shown(src, path)}: its keys are used where the script does not set "
+                                f"them, over verl's {base} defaults")
+    return base
 
 
 def split_layout(src: Source, cluster: dict) -> tuple[int, int, dict] | None:

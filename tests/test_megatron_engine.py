@@ -130,6 +130,14 @@ def _one_rank_suite(rank, world, path):
                                        eng.train(batch, pg_loss, mini_batch_size=8, micro_batch_size=2),
                                        eng.compute_logprobs(batch, micro_batch_size=4)["logprobs"], set(widths))
     out["seq"] = batching.seq_length(batch)
+    # rows that are not whole mini batches (an agent's episodes: lost ones, extra segments), spread over the
+    # nearest number of mini batches: the update of the same rows with empty ones where the padding goes
+    ragged = {k: v[:7] for k, v in batch.items()}
+    empty = {k: v[:1] for k, v in batch.items()} | {"response_mask": torch.zeros_like(batch["response_mask"][:1])}
+    regular = {k: torch.cat([ragged[k], empty[k]]) if torch.is_tensor(v) else ragged[k] + empty[k] for k, v in batch.items()}
+    for name, rows in (("ragged", ragged), ("ragged_as_regular", regular)):
+        eng = engine(ADAMW)
+        out[name] = (eng.train(rows, pg_loss, mini_batch_size=4, micro_batch_size=2), dict(eng.export_hf_weights()))
     return out
 
 
@@ -218,6 +226,36 @@ def test_the_lm_head_computes_the_response_positions_only(one_rank):
     for key in ("loss", "entropy", "grad_norm"):
         assert metrics[key] == pytest.approx(metrics_all[key], rel=1e-5), key
     torch.testing.assert_close(after, after_all, atol=1e-6, rtol=0)
+
+
+@pytest.mark.engines
+def test_rows_short_of_whole_mini_batches_train_as_if_padded_with_empty_rows(one_rank):
+    (ragged, weights), (regular, weights_regular) = (one_rank[1][k] for k in ("ragged", "ragged_as_regular"))
+    for key in ("loss", "grad_norm"):
+        assert ragged[key] == pytest.approx(regular[key], rel=1e-6), key
+    for name, tensor in weights_regular.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-7, rtol=0, msg=name)
+
+
+def _ragged_dp(rank, world, path):
+    """7 rows over two DP ranks (4 and 3, as the runtime splits them): one mini batch, padded alike."""
+    from siirl_dag.strategies.megatron.engine import MegatronEngine
+
+    eng = MegatronEngine(RankContext(rank, dims(world, {})), {"path": path}, ADAMW)
+    rows = {k: v[:7] for k, v in make_batch(8).items()}
+    if world == 2:
+        rows = {k: v[:4] if eng.dp_rank == 0 else v[4:] for k, v in rows.items()}
+    return eng.train(rows, pg_loss, mini_batch_size=8, micro_batch_size=2), dict(eng.export_hf_weights())
+
+
+@pytest.mark.engines
+def test_ragged_rows_over_data_parallel_ranks_train_as_on_one(one_rank):
+    path = one_rank[0]
+    (metrics, weights), = run_ranks(_ragged_dp, 1, path)
+    for dp_metrics, dp_weights in run_ranks(_ragged_dp, 2, path):
+        assert dp_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(dp_weights[name], tensor, atol=2e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("sizes, opts, words", [

@@ -118,13 +118,12 @@ def micro_size(requested: int, seq: int, budget: int | None, vpp: int, pp: int, 
     return max(fits)
 
 
-def train_layout(n_rows: int, mini: int, micro: int, seq: int, dp: int, budget: int | None, vpp: int,
+def train_layout(mini: int, micro: int, seq: int, dp: int, budget: int | None, vpp: int,
                  pp: int) -> tuple[int, int]:
     """Per-rank mini batch and micro batch size, or ConfigError saying which division fails."""
     local_mini = mini // dp
-    if mini % dp or not local_mini or n_rows % local_mini:
-        raise ConfigError(f"mini_batch_size {mini} must split into {dp} DP ranks, and this rank's "
-                          f"{n_rows} samples into whole per-rank mini batches of {local_mini}", ("mini_batch_size",))
+    if mini % dp or not local_mini:
+        raise ConfigError(f"mini_batch_size {mini} must split into {dp} DP ranks", ("mini_batch_size",))
     micro = micro_size(micro, seq, budget, vpp, pp, local_mini)
     if local_mini % micro:
         raise ConfigError(f"a per-rank mini batch of {local_mini} samples does not split into micro batches of "
@@ -133,3 +132,44 @@ def train_layout(n_rows: int, mini: int, micro: int, seq: int, dp: int, budget: 
         raise ConfigError(f"virtual pipelining runs micro batches in groups of pp={pp}; a mini batch "
                           f"has {local_mini // micro} per rank", ("mini_batch_size",))
     return local_mini, micro
+
+
+def mini_batches(n_rows: int, total: int, widest: int, mini: int, micro: int, seq: int, dp: int,
+                 budget: int | None, vpp: int, pp: int) -> tuple[list[tuple[int, int]], int, int]:
+    """This rank's rows of each mini batch (start, stop), the rows each is padded to, and the micro batch
+    size. `total`: the rows over all DP ranks, `widest`: the most any rank holds; `mini` rows over all
+    ranks make a mini batch. A batch of whole mini batches on every rank is cut as it is; one that is not
+    (an agent's episodes: lost ones give no rows, rewritten histories extra ones) is spread over the
+    nearest number of mini batches, each padded with rows that train on nothing to the same whole micro
+    batches on every rank (whose collectives must match)."""
+    local_mini, size = train_layout(mini, micro, seq, dp, budget, vpp, pp)
+    count = max(1, round(total / mini))
+    if total == count * mini and n_rows == widest == count * local_mini:
+        return [(j * local_mini, (j + 1) * local_mini) for j in range(count)], local_mini, size
+    if not n_rows:
+        raise ValueError(f"this data-parallel rank holds no rows of a batch of {total}; expected at least one per rank")
+    size = micro_size(micro, seq, budget, vpp, pp)
+    micros = _ceil(_ceil(widest, count), size)  # micro batches per padded mini batch
+    if vpp > 1:
+        micros = _ceil(micros, pp) * pp
+    bounds = [round(j * n_rows / count) for j in range(count + 1)]
+    return list(zip(bounds, bounds[1:])), micros * size, size
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def take(batch: Mapping[str, Any], aligned: dict[str, torch.Tensor], start: int, stop: int, size: int):
+    """Rows start..stop of `batch` and `aligned`, padded to `size` rows with copies of row 0 whose
+    response_mask is zero: they add nothing to the loss, nor to its token and sequence counts."""
+    if stop - start == size:
+        sl = slice(start, stop)
+        return {k: rows(v, sl) for k, v in batch.items()}, {k: v[sl] for k, v in aligned.items()}
+    idx = torch.cat([torch.arange(start, stop), torch.zeros(size - (stop - start), dtype=torch.long)])
+    sub, sub_aligned = {k: rows(v, idx) for k, v in batch.items()}, {k: v[idx] for k, v in aligned.items()}
+    for part in (sub, sub_aligned):
+        if "response_mask" in part:
+            part["response_mask"] = part["response_mask"].clone()
+            part["response_mask"][stop - start:] = 0
+    return sub, sub_aligned

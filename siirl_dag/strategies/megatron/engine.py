@@ -123,11 +123,11 @@ class MegatronEngine(Strategy):
     def dp_size(self) -> int:
         return self._ps().get_data_parallel_world_size(with_context_parallel=True)
 
-    def _dp_max(self, *values: int) -> list[int]:
-        """Agree on shapes across DP ranks: expert-parallel collectives span them."""
+    def _dp_max(self, *values: int, op: str = "MAX") -> list[int]:
+        """Agree on shapes across DP ranks (expert-parallel collectives span them); op="SUM": add them up."""
         t = torch.tensor(values, dtype=torch.long, device=self.device)
         if self.dp_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ps().get_data_parallel_group(with_context_parallel=True))
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self._ps().get_data_parallel_group(with_context_parallel=True))
         return t.tolist()
 
     def _totals(self, response_mask: torch.Tensor) -> MiniBatchTotals:
@@ -311,9 +311,10 @@ class MegatronEngine(Strategy):
         state = self._trainable()
         n_rows = batch["responses"].shape[0]
         aligned, seq = self._prepare(batch, replay_routes)
-        local_mini, micro_batch_size = batching.train_layout(n_rows, mini_batch_size, micro_batch_size, seq, self.dp_size,
-                                                            self.opts["dynamic_micro_batch_tokens"], self.mesh.vpp,
-                                                            self.mesh.pp)
+        (total,), (widest,) = self._dp_max(n_rows, op="SUM"), self._dp_max(n_rows)
+        parts, size, micro_batch_size = batching.mini_batches(n_rows, total, widest, mini_batch_size, micro_batch_size, seq,
+                                                              self.dp_size, self.opts["dynamic_micro_batch_tokens"],
+                                                              self.mesh.vpp, self.mesh.pp)
 
         def loss(totals, shares, mb, output):
             value, metrics = loss_fn(mb, output, totals)
@@ -327,10 +328,9 @@ class MegatronEngine(Strategy):
         sums: dict[str, float] = {}
         grad_norms, steps = [], 0
         for _ in range(epochs):
-            for start in range(0, n_rows, local_mini):
-                sl = slice(start, start + local_mini)
-                sub = {k: batching.rows(v, sl) for k, v in batch.items()}
-                micro = batching.micro_batches(sub, {k: v[sl] for k, v in aligned.items()}, micro_batch_size)
+            for start, stop in parts:
+                sub, sub_aligned = batching.take(batch, aligned, start, stop, size)
+                micro = batching.micro_batches(sub, sub_aligned, micro_batch_size)
                 step_loss = functools.partial(loss, self._totals(sub["response_mask"]), len(micro) * self.dp_size)
                 for m in state.model:
                     m.zero_grad_buffer()

@@ -6,7 +6,7 @@ DEMO   ?= graphs/tiny_grpo_cpu.yaml
 # test processes: most real runs keep one core busy while they start libraries and wait on each other
 TEST_WORKERS ?= 2
 
-.PHONY: demo compose test test-fast setup validate bench clean
+.PHONY: demo compose agents test test-fast setup validate bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 compose: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/make_demo_task.py data/demo
 	OMP_NUM_THREADS=1 $(PY) scripts/make_compose_task.py data/compose
+
+# the agent demos' task and warm start (graphs/tiny_agent_tools_cpu.yaml, graphs/tiny_agent_openai_cpu.yaml)
+agents: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) scripts/make_agent_task.py data/agent
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20 tests

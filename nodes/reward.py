@@ -1,4 +1,10 @@
-"""reward: rule-based scores per sample (by data source), placed on the last response token."""
+"""reward: rule-based scores per sample (by data source), placed on the last response token.
+
+Rows of a user's agent (agent_rollout with agent, agent_command or env) carry the agent's own reward
+(`agent_reward`, read when an upstream node holds it): a row takes it where the agent gave one; else
+the scorer scores the episode's final answer, its last row, and every row of the episode takes that
+score (an agent that rewrote its history has several rows, segments of one episode). `scorer: agent`
+takes the agents' rewards only (a row without one scores 0, counted in reward/unscored)."""
 
 from collections import Counter
 
@@ -15,6 +21,12 @@ def _consumes(params):
 
 def _custom_scorer(node, pipeline) -> list[Problem]:
     """A custom scorer must import now, not at the first step's reward."""
+    if node.params["scorer"] == "agent":
+        if "agent_reward" in pipeline.reads[node.id]:
+            return []
+        return [Problem(pipeline.node_path(node.id) + ("params", "scorer"), "scorer 'agent' takes the rewards an "
+                        "agent returns, but no upstream node holds them; expected an agent_rollout with agent, "
+                        "agent_command or env upstream, or scorer: auto")]
     if node.params["scorer"] == "auto":
         return []
     try:
@@ -49,7 +61,7 @@ def _gradable(node, pipeline, data) -> list[str]:
 
 
 @node_kind("reward", consumes=_consumes, produces=("token_level_scores", "token_level_rewards"),
-           params_schema="reward", check=_checks, check_data=_gradable)
+           params_schema="reward", check=_checks, check_data=_gradable, reads_if_held=("agent_reward", "episode"))
 def reward(batch, ctx):
     """Score decoded responses; DAPO's overlong penalty and a KL-in-reward penalty, when on, turn
     scores into rewards."""
@@ -59,14 +71,7 @@ def reward(batch, ctx):
     from nodes.algos.token_rewards import apply_kl_penalty, overlong_penalty, place_scores
 
     p = ctx.params
-    scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
-    kept = zip(batch["responses"].tolist(), batch["response_mask"].tolist())  # lists: no tensor op per row
-    texts = ctx.tokenizer.batch_decode([[t for t, m in zip(row, mask) if m] for row, mask in kept],
-                                       skip_special_tokens=True)
-    extra = batch.get("extra_info") or [None] * len(texts)
-    kwargs = {"method": p["method"], "format_score": p["format_score"]} if p["scorer"] == "auto" else {}
-    scores = [float(scorer(src, text, gt, info, **kwargs))
-              for src, text, gt, info in zip(batch["data_source"], texts, batch["ground_truth"], extra)]
+    scores = _scores(batch, ctx, p)
     token_scores = place_scores(torch.tensor(scores, dtype=torch.float32), batch["response_mask"])
     rewards = token_scores
     if p["overlong_buffer_len"]:  # on the rewards: the scores stay the task's accuracy
@@ -81,3 +86,32 @@ def reward(batch, ctx):
     out = {"token_level_scores": token_scores, "token_level_rewards": rewards}
     ctx.metrics.update(batch_metrics({**out, "response_mask": batch["response_mask"], "prompt_mask": batch["prompt_mask"]}))
     return out
+
+
+def _scores(batch, ctx, p) -> list[float]:
+    """Each row's score: the agent's where it gave one, else its episode's final answer scored (every row
+    its own episode without agents)."""
+    rows = batch["responses"].shape[0]
+    agent = batch["agent_reward"].tolist() if "agent_reward" in batch else [float("nan")] * rows
+    episodes = batch["episode"] if "episode" in batch else range(rows)
+    final = {e: i for i, e in enumerate(episodes)}  # an episode's last row holds its final answer
+    wanted = sorted({final[e] for e, given in zip(episodes, agent) if given != given})  # NaN: the agent gave none
+    if p["scorer"] == "agent":
+        ctx.metrics["reward/unscored"] = float(len(wanted))
+        scored = dict.fromkeys(wanted, 0.0)
+    else:
+        scored = dict(zip(wanted, _scored_texts(batch, ctx, p, wanted)))
+    if "agent_reward" in batch:
+        ctx.metrics["reward/from_agent"] = sum(given == given for given in agent) / max(rows, 1)
+    return [given if given == given else scored[final[e]] for e, given in zip(episodes, agent)]
+
+
+def _scored_texts(batch, ctx, p, rows: list[int]) -> list[float]:
+    scorer = scorers.score if p["scorer"] == "auto" else scorers.resolve_scorer(p["scorer"])
+    responses, masks = batch["responses"].tolist(), batch["response_mask"].tolist()  # lists: no tensor op per row
+    texts = ctx.tokenizer.batch_decode([[t for t, m in zip(responses[i], masks[i]) if m] for i in rows],
+                                       skip_special_tokens=True)
+    extra = batch.get("extra_info") or [None] * len(responses)
+    kwargs = {"method": p["method"], "format_score": p["format_score"]} if p["scorer"] == "auto" else {}
+    return [float(scorer(batch["data_source"][i], text, batch["ground_truth"][i], extra[i], **kwargs))
+            for i, text in zip(rows, texts)]

@@ -5,9 +5,9 @@ any number per turn (up to MAX_CALLS), with plain string search (linear in the t
 on a call's size and nesting depth; a malformed one (unclosed, too large or deep, bad JSON, an unknown
 tool, arguments against the tool's JSON Schema, an exception, a timeout) becomes an error observation,
 never a crash or a stall. Observations are the chat template's own rendering of tool messages after an
-assistant turn, cut from a rendering of the conversation so far: only the new text is tokenized, once
-(earlier turns are never re-tokenized), and the tools' text with special tokens split, so an answer
-holding the template's control text (`<|im_end|>`) cannot end the turn or fake a role.
+assistant turn (`chat_render`): only the new text is tokenized, once (earlier turns are never
+re-tokenized), and the tools' text with special tokens split, so an answer holding the template's
+control text (`<|im_end|>`) cannot end the turn or fake a role.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import jsonschema
 
+from nodes.chat_render import ChatRender
 from siirl_dag.registry import Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -27,7 +28,6 @@ MAX_CALLS = 16  # per turn; those beyond are answered with one error
 MAX_CALL_CHARS = 4 * 2**20  # one call's JSON (a python program of MAX_CODE bytes, escaped, fits)
 MAX_DEPTH = 32  # nesting of a call's JSON
 MAX_ANSWER = 32 * 1024  # characters of an answer or an error; the rest is cut
-_USER, _ASSISTANT, _TOOL = "U7f3a", "A7f3a", "T{}x7f3a"  # stand-ins whose rendering is cut around
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("tool_deadline", default=None)
 
 
@@ -47,18 +47,24 @@ class Answer:
 
 def parse_calls(text: str) -> list[Call]:
     """Every `<tool_call>...</tool_call>` of a turn, in order; never raises."""
-    calls, at = [], 0
+    return [call for _, _, call in call_spans(text)]
+
+
+def call_spans(text: str) -> list[tuple[int, int, Call]]:
+    """`parse_calls` with where each call's text starts and ends in `text`."""
+    spans, at = [], 0
     while (start := text.find(OPEN, at)) != -1:
-        if len(calls) == MAX_CALLS:
-            calls.append(Call(None, None, f"more than {MAX_CALLS} tool calls in one turn; the rest are not made"))
+        if len(spans) == MAX_CALLS:
+            spans.append((start, len(text), Call(None, None, f"more than {MAX_CALLS} tool calls in one turn; "
+                                                              "the rest are not made")))
             break
         end = text.find(CLOSE, start + len(OPEN))
         if end == -1:
-            calls.append(Call(None, None, f"a {OPEN} without {CLOSE} (cut off?)"))
+            spans.append((start, len(text), Call(None, None, f"a {OPEN} without {CLOSE} (cut off?)")))
             break
-        calls.append(_parse_one(text[start + len(OPEN):end]))
         at = end + len(CLOSE)
-    return calls
+        spans.append((start, at, _parse_one(text[start + len(OPEN):end])))
+    return spans
 
 
 def _parse_one(body: str) -> Call:
@@ -130,42 +136,14 @@ def make_call(call: Call, tools: dict[str, Tool], deadline: float | None = None)
 
 
 class Observations:
-    """Renders tool answers with the model's chat template: the text that follows an assistant turn."""
+    """Tool answers as the tokens the model reads after its turn: `tool` messages, rendered by the chat
+    template after the turn (`chat_render.ChatRender`), their text with special tokens split."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        before = self._render([], False)
-        after_turn = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]
-        eos = tokenizer.eos_token or ""
-        # what closes an assistant turn (Qwen: "<|im_end|>\n"); a turn that ended with EOS has its first part
-        self.close, self.close_after_eos = after_turn, after_turn.removeprefix(eos) if eos else after_turn
-        self.before = before
-
-    def _render(self, answers: list[str], generation_prompt: bool) -> str:
-        messages = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-        messages += [{"role": "tool", "content": a} for a in answers]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
-
-    def pieces(self, answers: list[str], ended_with_eos: bool) -> list[tuple[str, bool]]:
-        """The text after the turn as (text, is a tool's answer) pieces: the template's and the tools'."""
-        stand_ins = [_TOOL.format(i) for i in range(len(answers))]
-        rendered = self._render(stand_ins, True)
-        if not rendered.startswith(self.before):
-            raise ValueError("the chat template renders earlier turns differently once tool messages follow; "
-                             "expected a template that appends tool messages")
-        rest, pieces = rendered[len(self.before):], [(self.close_after_eos if ended_with_eos else self.close, False)]
-        for stand_in, answer in zip(stand_ins, answers):
-            at = rest.find(stand_in)
-            if at == -1:
-                raise ValueError("the chat template does not show a tool message's content as it is")
-            pieces += [(rest[:at], False), (answer, True)]
-            rest = rest[at + len(stand_in):]
-        return [p for p in pieces + [(rest, False)] if p[0]]
-
-    def text(self, answers: list[str], ended_with_eos: bool) -> str:
-        return "".join(text for text, _ in self.pieces(answers, ended_with_eos))
+        self.render = ChatRender(tokenizer)
 
     def token_ids(self, answers: list[str], ended_with_eos: bool) -> list[int]:
-        """The template's text with its special tokens; the tools' with theirs split into plain text."""
-        return [i for text, tool in self.pieces(answers, ended_with_eos)
-                for i in self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=tool)]
+        return self.render.after_turn([{"role": "tool", "content": a} for a in answers], ended_with_eos)
+
+    def text(self, answers: list[str], ended_with_eos: bool) -> str:
+        return self.render.text_after_turn([{"role": "tool", "content": a} for a in answers], ended_with_eos)

@@ -1,13 +1,21 @@
-"""The agent demo as shipped, at several seeds, each from its own fresh warm start (issue #52): for each seed,
-`scripts/make_agent_task.py` (data, model, warm start; `--seed`) in a fresh temporary folder, then
-`graphs/tiny_agent_tools_cpu.yaml` on it with `trainer.seed`; judged by the rise of validation accuracy
-(one answer per prompt at the graph's val_temperature; bar: >= 0.15 at every seed, tool calls still made).
+"""The agent demos as shipped, at several seeds, and the agent endpoint's overhead.
 
-    python scripts/bench_agent.py [--json] [--seeds 1 2 3] [key=value ...]
+Learning (default): for each seed, `scripts/make_agent_task.py` (data, model, warm start; `--seed`) in a fresh
+temporary folder, then each graph on it with `trainer.seed` (graphs/tiny_agent_tools_cpu.yaml: the engine's
+tool loop; graphs/tiny_agent_openai_cpu.yaml: an agent written against the openai client, through the
+endpoint); judged by the rise of validation accuracy (one answer per prompt at the graphs' val_temperature;
+bar: >= 0.15 at every seed, tool calls made). Run it under ATEN_CPU_CAPABILITY=avx2 too (another CPU's float
+paths); the report names the kernels torch used.
 
-Reports per seed: the warm start (steps, seconds, its sampled and greedy accuracy), the validation curve, the sampled
-score and the share of groups with mixed scores (critic/mixed_groups) over the first and the last five steps,
-tool calls per trajectory, the step time.
+Overhead (`--overhead`): in one process, one vLLM engine over a warm-started model, the openai demo's
+rollout (16 prompts x 8 episodes: the agent in the agents' process, its calls through the HTTP endpoint and
+the `openai` client) against the same episodes driven directly through the engine (its own tool loop: the
+same prompts, the calculator between the same two turns), `--rounds` pairs one after another; bar <= 1.15x.
+Then 64 episodes of 8 s each, one turn every 2 s, at concurrency 64: their overlap (the sum of their
+durations over the rollout's wall time; 64 when nothing is serialized).
+
+    python scripts/bench_agent.py [--json] [--seeds 1 2 3] [--graphs tools openai] [key=value ...]
+    python scripts/bench_agent.py --overhead [--json] [--rounds 5] [--model DIR]
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from graph_run import python, run_graph, steps_in_order, val_curve  # noqa: E402
 from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 
 BAR, ACC = 0.15, "val-core/demo/agent_sum/acc"
+GRAPHS = {"tools": "tiny_agent_tools_cpu", "openai": "tiny_agent_openai_cpu"}
+TOOL_CALLS = {"tools": "agent/tool_calls/mean", "openai": "agent/tool_calls/mean"}
 
 
-def one_seed(seed: int, overrides: list[str]) -> dict:
+def one_seed(seed: int, graphs: list[str], overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         task, began = Path(tmp) / "agent", time.perf_counter()
         python(["scripts/make_agent_task.py", str(task), "--seed", str(seed)])
@@ -38,34 +48,55 @@ def one_seed(seed: int, overrides: list[str]) -> dict:
         paths = [f"models.policy.path={task / 'model'}", f"data.train_files={task / 'train.parquet'}",
                  f"data.val_files={task / 'test.parquet'}", f"trainer.seed={seed}", "trainer.save_freq=-1",
                  "trainer.export_hf=false"]
-        history, wall = run_graph("tiny_agent_tools_cpu", [*paths, *overrides])
+        return {"seed": seed, "warm_start": warm,
+                **{name: learned(*run_graph(GRAPHS[name], [*paths, *overrides]), name) for name in graphs}}
+
+
+def learned(history: dict, wall: float, name: str) -> dict:
     steps, curve = steps_in_order(history), val_curve(history, ACC)
     mean = lambda key, part: round(statistics.mean(m[key] for m in part), 3)  # noqa: E731
     before, after = curve["0"], list(curve.values())[-1]
-    return {"seed": seed, "warm_start": warm, "val_curve": curve, "rise": round(after - before, 3),
-            "met": after - before >= BAR and mean("agent/tool_calls/mean", steps[-5:]) > 0.5,
+    return {"val_curve": curve, "rise": round(after - before, 3),
+            "met": after - before >= BAR and mean(TOOL_CALLS[name], steps[-5:]) > 0.5,
+            "tool_calls_first5": mean(TOOL_CALLS[name], steps[:5]), "tool_calls_last5": mean(TOOL_CALLS[name], steps[-5:]),
             "score_first5": mean("critic/score/mean", steps[:5]), "score_last5": mean("critic/score/mean", steps[-5:]),
-            "mixed_first5": mean("critic/mixed_groups", steps[:5]), "mixed_last5": mean("critic/mixed_groups", steps[-5:]),
-            "tool_calls_per_trajectory": mean("agent/tool_calls/mean", steps),
-            "tool_errors_per_trajectory": mean("agent/tool_errors/mean", steps),
+            "mixed_first5": mean("critic/mixed_groups", steps[:5]),
             "step_s": round(statistics.median(m["timing_s/step"] for m in steps), 2), "rl_wall_s": round(wall, 1)}
+
+
+def learning(args) -> dict:
+    import torch
+
+    report = {"bar": BAR, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "seeds": []}
+    for seed in args.seeds:
+        report["seeds"].append(one_seed(seed, args.graphs, args.overrides))
+        if not args.json:
+            print(json.dumps(report["seeds"][-1]), flush=True)
+    report["met_at_every_seed"] = all(r[g]["met"] for r in report["seeds"] for g in args.graphs)
+    return report
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of the graph (trainer.total_steps=30, ...)")
+    ap.add_argument("--graphs", nargs="+", choices=sorted(GRAPHS), default=sorted(GRAPHS))
+    ap.add_argument("--overhead", action="store_true", help="the endpoint's overhead instead of the learning runs")
+    ap.add_argument("--rounds", type=int, default=5, help="--overhead: pairs of rollouts")
+    ap.add_argument("--model", default=str(ROOT / "data/agent"), help="--overhead: a make_agent_task.py folder")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the graphs (trainer.total_steps=30, ...)")
     args = ap.parse_args()
     with json_stdout(args.json) as emit:
-        report = {"bar": BAR, "seeds": []}
-        for seed in args.seeds:
-            report["seeds"].append(one_seed(seed, args.overrides))
-            if not args.json:
-                print(json.dumps(report["seeds"][-1]), flush=True)
-        report["met_at_every_seed"] = all(r["met"] for r in report["seeds"])
+        if args.overhead:
+            from bench_agent_overhead import overhead
+
+            report = overhead(Path(args.model), args.rounds, quiet=args.json)
+        else:
+            report = learning(args)
         if args.json:
             emit(report)
+        elif args.overhead:
+            print(json.dumps(report, indent=1))
         else:
             print(f"rise >= {BAR} at every seed: {report['met_at_every_seed']}")
 

@@ -48,11 +48,13 @@ def producer(pipe, node: str, key: str) -> tuple[str, str]:
 def reads(pipe) -> dict[str, dict[str, tuple[str, str]]]:
     """Per node, every key it reads (by the name it reads it under) -> `producer`'s answer: the keys it
     consumes, then the data loader's per-prompt keys, which a node that expands rows re-emits so that
-    later nodes read them in their own row space."""
+    later nodes read them in their own row space, then the keys it reads if an upstream node holds them."""
     out = {}
     for n in pipe.nodes:
         consumed = pipe.consumes(n)
         out[n] = {key: producer(pipe, n, key) for key in (*consumed, *(k for k in SOURCE_KEYS if k not in consumed))}
+        held = {key: producer(pipe, n, key) for key in pipe.kinds[n].reads_if_held if key not in out[n]}
+        out[n].update({key: found for key, found in held.items() if found[0] != SOURCE})
     return out
 
 

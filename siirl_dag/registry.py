@@ -47,6 +47,10 @@ class NodeKind:
     engine_options: Callable[[dict], dict] | None = None
     # its output rows are its input rows repeated `options.n` times (samples per prompt), its inputs re-emitted
     expands: bool = False
+    # keys it reads when an upstream node holds them, and does without otherwise (an agent's own rewards)
+    reads_if_held: tuple[str, ...] = ()
+    # what its params make it do, in a line, for `plan` and `visualize`: describe(params) -> str
+    describe: Callable[[dict], str] | None = None
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -68,13 +72,14 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (VLLM, MEGATR
 def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = (), strategies: Sequence[str] = (),
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
               check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False,
-              resumes: bool = False, engine_options: Callable | None = None, expands: bool = False):
+              resumes: bool = False, engine_options: Callable | None = None, expands: bool = False,
+              reads_if_held: Sequence[str] = (), describe: Callable | None = None):
     """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
                         params_schema, trains, check, check_data, prompt_lengths, filters_rows, resumes, engine_options,
-                        expands)
+                        expands, tuple(reads_if_held), describe)
         fn.node_kind = kind
         if name is not None:
             if name in KINDS and _origin(KINDS[name].fn) != _origin(fn):

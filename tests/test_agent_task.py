@@ -1,5 +1,5 @@
-"""scripts/make_agent_task.py: a trajectory trains on the model's tokens only, and the warm start's steps
-are the same for the same seed (one thread, deterministic algorithms)."""
+"""scripts/make_agent_task.py: a trajectory, calling or answering at once, trains on the model's tokens only,
+and the warm start's steps are the same for the same seed (one thread, deterministic algorithms)."""
 
 import numpy as np
 import pytest
@@ -35,6 +35,9 @@ def test_a_trajectory_labels_the_call_and_the_answer_not_the_prompt_or_the_tool(
                        " #### 1368<eos>")
     masked = tokenizer.decode([t for t, lab in zip(ids, labels) if lab == -100])
     assert masked == "user: Q: 123+456+789=? A:\nassistant:\ntool: 1368\nassistant:"  # the prompt, the tool's answer
+    direct, direct_labels = trajectory(tokenizer, Observations(tokenizer), [123, 456, 789], call=False)
+    assert tokenizer.decode([t for t, lab in zip(direct, direct_labels) if lab != -100]) == " #### 1368<eos>"
+    assert tokenizer.decode(direct) == "user: Q: 123+456+789=? A:\nassistant: #### 1368<eos>"
 
 
 def test_warm_start_steps_are_deterministic_for_a_seed(tiny, torch_settings):

@@ -1,10 +1,12 @@
 """agent_rollout through the real stack (vLLM turns, the calculator, Megatron, Ray): a model warm-started
 to call the calculator calls it, and the trainer's log-probs over rows with the tool's answers masked
-equal vLLM's (token in, token out: nothing re-tokenized, nothing shifted)."""
+equal vLLM's (token in, token out: nothing re-tokenized, nothing shifted); a user's own agent trains
+through the shipped openai graph, its failed episodes lost and counted, the run going on."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,30 +21,51 @@ def agent_task(tmp_path_factory) -> Path:
     from make_agent_task import make_task
 
     out = tmp_path_factory.mktemp("agent")
-    make_task(out, target=0.0, min_calls=0.9)  # the call format learnt; the sums need not be right yet
+    make_task(out, copy_target=0.0, min_calls=0.9, mix_steps=0)  # the call format learnt; the sums need not be right yet
     return out
 
 
-def run_agent(folder: Path, task: Path, *extra: str) -> dict:
-    """The agent demo's pipeline, 2 steps on the session's task, cooler sampling than the demo's (a barely
-    warm model then calls its tool), the trainer at the same temperature; its steps' metrics."""
+def run_graph(folder: Path, task: Path, graph: str, *extra: str) -> dict:
+    """A shipped agent graph on the session's task, 2 steps; its steps' metrics. The tests' agents are
+    importable as a user's module on PYTHONPATH is."""
     overrides = [f"models.policy.path={task / 'model'}", f"data.train_files={task / 'train.parquet'}",
                  f"data.val_files={task / 'test.parquet'}", "trainer.total_steps=2", "trainer.val_before_train=false",
                  "trainer.export_hf=false", f"trainer.default_local_dir={folder / 'ckpt'}",
                  f"trainer.tensorboard_dir={folder / 'tb'}", f"trainer.log_dir={folder / 'logs'}",
-                 "nodes.actor_update.params.rollout_is=token", "trainer.logger=[tensorboard]",
-                 "nodes.rollout.options.temperature=0.5", "nodes.old_logprob.params.temperature=0.5",
-                 "nodes.ref_logprob.params.temperature=0.5", "nodes.actor_update.params.temperature=0.5",
-                 "trainer.project_name=agent", "trainer.experiment_name=e2e", *extra]
-    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(ROOT / "graphs" / "tiny_agent_tools_cpu.yaml"),
-                          "--json", *overrides], capture_output=True, text=True, timeout=600, cwd=folder)
+                 "trainer.logger=[tensorboard]", "trainer.project_name=agent", "trainer.experiment_name=e2e", *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(ROOT / "graphs" / f"{graph}.yaml"), "--json",
+                          *overrides], capture_output=True, text=True, timeout=600, cwd=folder, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    steps = json.loads(res.stdout)["steps"]
+    return json.loads(res.stdout)["steps"]
+
+
+def run_agent(folder: Path, task: Path, *extra: str) -> dict:
+    """The tool demo's pipeline, cooler sampling than the demo's (a barely warm model then calls its tool),
+    the trainer at the same temperature."""
+    steps = run_graph(folder, task, "tiny_agent_tools_cpu", "nodes.actor_update.params.rollout_is=token",
+                      "nodes.rollout.options.temperature=0.5", "nodes.old_logprob.params.temperature=0.5",
+                      "nodes.ref_logprob.params.temperature=0.5", "nodes.actor_update.params.temperature=0.5", *extra)
     for step in steps.values():
         assert step["agent/tool_calls/mean"] > 0 and step["agent/turns/max"] == 2 and step["agent/turns/mean"] > 1
         assert "agent/tool_time_s/mean" in step and "agent/tool_errors/mean" in step
     assert "val-core/demo/agent_sum/acc" in steps["2"]
     return steps
+
+
+def test_a_users_own_agent_trains_through_the_openai_graph(tmp_path, agent_task):
+    """Two chat turns through the `openai` client, the reward left to the graph's reward node; a third of
+    the prompts' episodes raise and are lost (their groups dropped), the run finishes; the trainer's
+    log-probs over the rows are vLLM's."""
+    steps = run_graph(tmp_path, agent_task, "tiny_agent_openai_cpu", "nodes.agent.params.agent=agents_for_tests:raises_on_a_third",
+                      "nodes.actor_update.params.rollout_is=token")
+    for step in steps.values():
+        failed = step["agent/failed"]  # a lost episode made one turn, the others two
+        assert 0 < failed < 128 and step["agent/turns/mean"] == 2 - failed / 128 and step["agent/segments/mean"] == 1
+        assert failed % 8 == 0 and step["agent/groups_dropped"] == failed / 8
+        assert step["rollout_corr/log_ppl_abs_diff"] < 1e-4 and step["agent/endpoint_s/mean"] > 0
+        assert step["reward/from_agent"] == 0  # None: the reward node scored the answers
+    assert "val-core/demo/agent_sum/acc" in steps["2"]
 
 
 def test_agent_pipeline_calls_tools_and_trains_on_the_models_tokens(tmp_path, agent_task):
@@ -60,3 +83,83 @@ def test_agent_rollouts_one_step_off(tmp_path, agent_task):
     """The next step's agent rollouts (tool calls included) run while this step trains."""
     steps = run_agent(tmp_path, agent_task, "runtime.schedule=one_step_off", "runtime.staleness=1")
     assert [steps[s]["async/staleness/max"] for s in ("1", "2")] == [0, 1]
+
+
+def _warm_rollouts(task: Path) -> dict:
+    """In a process of its own (one vLLM engine per process): over the task's warm start, the openai demo's
+    agent through the endpoint and the engine's own tool loop at the same seeds, and the framework agents."""
+    import pyarrow.parquet as pq
+
+    from nodes import agent_loop
+    from nodes.demo_agents import CALCULATOR
+    from nodes.tools import resolve_tool
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.samples import prompt_token_ids
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+
+    engine = VllmRollout(RankContext(rank=0), str(task / "model"), {
+        "dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "temperature": 0.5, "chat_template": True})
+    rows = pq.read_table(task / "train.parquet").to_pylist()[:8]
+    samples = [{"model": "policy", "prompt": r["prompt"], "messages": [{"role": "user", "content": r["prompt"]}],
+                "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"],
+                "extra_info": r["extra_info"]} for r in rows]
+    out = {"nodes.demo_agents:solve": rollout_of(engine, samples, "nodes.demo_agents:solve")}
+    for agent in ("agents_for_tests:openai_agents_sdk", "agents_for_tests:langgraph_react"):  # room for a tool error
+        out[agent] = rollout_of(engine, samples, agent, response=256)
+    prompts = [prompt_token_ids(engine.tokenizer, s["prompt"], True, [CALCULATOR]) for s in samples]
+    out["own"] = [(t.prompt_ids, t.ids, t.mask, t.logprobs, t.tool_calls) for t in agent_loop.run(
+        engine.turns({}, 128, ["</tool_call>"]), prompts, 2, {"calculator": resolve_tool("calculator")},
+        agent_loop.AgentLimits(2, 96, 128, 10.0, 4), engine.tokenizer, 11)]
+    engine.close()
+    return out
+
+
+def rollout_of(engine, samples: list[dict], agent: str, n: int = 2, response: int = 128):
+    from types import SimpleNamespace
+
+    from nodes.agents import rollout
+
+    params = {"agent": agent, "max_turns": 2, "max_tokens_per_turn": 96, "concurrency": 64, "timeout_s": 120.0,
+              "max_request_mb": 8, "host": None, "env_kwargs": {}}
+    ctx = SimpleNamespace(engine=engine, node=SimpleNamespace(id="agent", model="policy", params=params), seed=11,
+                          data=SimpleNamespace(max_prompt_length=40, max_response_length=response), validating=False)
+    return rollout.run(ctx, samples, n)
+
+
+@pytest.fixture(scope="module")
+def warm_rollouts(agent_task):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_warm_rollouts, agent_task).result(timeout=600)
+
+
+def test_the_endpoint_samples_what_the_engines_own_loop_samples(warm_rollouts):
+    """The openai demo's agent, through the endpoint, and the engine's own tool loop, at the same seeds:
+    the same tokens, turn for turn, up to each episode's last turn (the endpoint changes nothing of what
+    is trained; after it, a tool error too long for the budget is cut in one and left out in the other)."""
+    finished, own = warm_rollouts["nodes.demo_agents:solve"], warm_rollouts["own"]
+    assert [o.status for o in finished.outcomes] == ["ok"] * 16, [o.error for o in finished.outcomes if o.error][:2]
+    assert sum(t[4] for t in own) >= 4 and len(finished.episodes) == len(own) == 16  # the warm start calls
+
+    def to_last_turn(ids, mask, logprobs):
+        end = max(i for i, m in enumerate(mask) if m) + 1
+        return ids[:end], mask[:end], logprobs[:end]
+
+    for episode, (prompt_ids, ids, mask, logprobs, _) in zip(finished.episodes, own):
+        (segment,) = episode.segments
+        (got, got_mask, got_logprobs), (want, want_mask, want_logprobs) = (
+            to_last_turn(segment.ids, segment.mask, segment.logprobs), to_last_turn(ids, mask, logprobs))
+        assert (segment.prompt_ids, got, got_mask) == (prompt_ids, want, want_mask)
+        assert got_logprobs == pytest.approx(want_logprobs, abs=1e-6)
+
+
+@pytest.mark.parametrize("agent", ["openai_agents_sdk", "langgraph_react"])
+def test_agents_written_with_frameworks_train_through_the_endpoint(warm_rollouts, agent):
+    """The OpenAI Agents SDK's and LangGraph's own loops, unchanged: their calculator calls reach the model
+    as OpenAI tools, and their episodes stay one token-faithful segment each."""
+    finished = warm_rollouts[f"agents_for_tests:{agent}"]
+    assert [o.status for o in finished.outcomes] == ["ok"] * 16, [o.error for o in finished.outcomes if o.error][:2]
+    called = [e for e in finished.episodes if e.tool_calls]
+    assert called and all(e.turns == 2 and e.prefix_breaks == 0 and len(e.segments) == 1 for e in called)

@@ -25,6 +25,12 @@ def _alloc(spec: str, as_json: bool) -> int:
     return 0
 
 
+def _does(pipe, n) -> str | None:
+    """What the node's params make it do, where its kind says (an agent's, say)."""
+    describe = pipe.kinds[n.id].describe
+    return describe(n.params) if describe else None
+
+
 def _shared(pipe, node) -> str:
     """A node that computes with a trainer's engine with its adapters off holds no weights of its own."""
     if node.params.get("adapters", True):
@@ -63,6 +69,7 @@ def main(args) -> int:
         ahead = schedule.generating_nodes(pipe) if pipe.runtime.schedule != "sync" else ()
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
                           "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh, "serves": pipe.serves.get(n.id),
+                                           "does": _does(pipe, n),
                                            "inputs": {k: f"{src}.{key}" for k, (src, key) in n.inputs.items()}}
                                     for n in pipe.nodes.values()},
                           "policies": list(pipe.policies),
@@ -79,6 +86,8 @@ def main(args) -> int:
     for n in pipe.nodes.values():
         where = f"{n.strategy} on mesh '{n.mesh}' ({pipe.meshes[n.mesh].alloc})" if n.strategy else "cpu (driver side)"
         print(f"  {n.id:<16} {n.kind:<14} {where}{_shared(pipe, n)}{_routes(pipe, n)}{_reads(pipe, n)}")
+        if does := _does(pipe, n):
+            print(f"  {'':<16} {'':<14} {does}")
     for name, model in pipe.models.items():
         if model.lora:
             print(f"  model {name}: LoRA rank {model.lora.rank}, alpha {model.lora.alpha:g} on "

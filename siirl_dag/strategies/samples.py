@@ -26,6 +26,9 @@ class Sample:
     # the experts each token was routed to, [prompt + token_ids - 1, layers, topk] (vLLM's record of the
     # tokens it ran through the model: all but the last), when the engine records them
     routed_experts: Any = None
+    text: str | None = None  # the tokens as text, where the engine decoded them (single turns)
+    # per token, the most likely tokens and their log-probs [(token id, log-prob), ...], when asked for
+    top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int] | Sequence[dict], chat_template: bool,

@@ -1,0 +1,120 @@
+"""One rollout of the user's agents (agent_rollout with `agent`, `agent_command` or `env`), seen from the
+rank: the agents run in a process of their own (worker.py; started at the node's first rollout, kept
+for the rank's life), the engine in the node's thread, the two linked by engine_link. The rank waits
+past every episode's own timeout; if the agents' process is still not done then (an agent blocking its
+event loop), or exits, it is stopped and the rollout's episodes are lost; the next rollout starts anew.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from nodes import templates
+from nodes.agents import engine_link
+from nodes.agents.episode import EpisodeRecord, Limits
+from nodes.agents.runners import Outcome
+from nodes.agents.worker import RolloutSpec
+
+log = logging.getLogger(__name__)
+SHOWN_ERRORS = 3  # lost episodes logged in full per rollout
+GRACE_S = 30  # beyond the episodes' timeouts, before the agents' process is stopped
+
+
+@dataclass
+class Finished:
+    episodes: list[EpisodeRecord]
+    outcomes: list[Outcome]
+    peak_in_flight: int  # the most turns the engine held at once
+
+
+class AgentsProcess:
+    """`python -m nodes.agents.worker`, linked to this process by a socket pair."""
+
+    def __init__(self, tokenizer_path: str):
+        ours, theirs = socket.socketpair()
+        paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]  # what this process imports
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "nodes.agents.worker", str(theirs.fileno()), tokenizer_path],
+                                     pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.link = engine_link.RankEnd(Connection(ours.detach()))
+
+    def stop(self) -> None:
+        self.link.send(("exit",))
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.link.close()
+
+
+_PROCESSES: dict[tuple[str, str], AgentsProcess] = {}  # (node id, model) -> its agents' process, in this rank process
+
+
+@atexit.register
+def _stop_all() -> None:
+    for process in _PROCESSES.values():
+        process.stop()
+    _PROCESSES.clear()
+
+
+def run(ctx: Any, samples: list[dict], n: int) -> Finished:
+    """`n` episodes per sample (adjacent), to their ends."""
+    engine, p, data = ctx.engine, ctx.node.params, ctx.data
+    node = (ctx.node.id, engine.model_path)
+    process = _PROCESSES.get(node)
+    if process is None or process.proc.poll() is not None:
+        process = _PROCESSES[node] = AgentsProcess(engine.model_path)
+    limits = Limits(data.max_prompt_length, data.max_response_length, p["max_turns"],
+                    p["max_tokens_per_turn"] or data.max_response_length)
+    process.link.send(("rollout", RolloutSpec(p, samples, n, limits, ctx.node.model, ctx.seed)))
+    turns = engine.turns({"validate": True} if ctx.validating else {}, data.max_response_length, [])
+    deadline = time.monotonic() + math.ceil(len(samples) * n / p["concurrency"]) * p["timeout_s"] + GRACE_S
+    why = ""
+    try:
+        found = engine_link.serve(process.link, turns, deadline)
+        why = "the agents' process did not finish by the rollout's deadline (an agent blocking its event loop?)"
+    except engine_link.AgentsGone:
+        found, why = None, f"the agents' process exited (status {process.proc.wait()})"
+    if found is None:
+        log.error("%s; this rollout's episodes are lost, and the process is started anew", why)
+        process.stop()
+        del _PROCESSES[node]
+        indexes = [i for i in range(len(samples)) for _ in range(n)]
+        return Finished([EpisodeRecord(k, i, [], 0, 0, 0, 0, []) for k, i in enumerate(indexes)],
+                        [Outcome("timeout" if "deadline" in why else "failed", error=why) for _ in indexes], 0)
+    (records, outcomes), peak = found
+    return Finished(records, outcomes, peak)
+
+
+def samples_of(batch: Any, model: str) -> list[dict]:
+    """What an agent is given per prompt: the model's name, the prompt as text and as chat messages, and
+    the data row's ground truth, data source and extra_info."""
+    out = []
+    for i, raw in enumerate(batch["raw_prompt"]):
+        messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else [dict(m) for m in raw]
+        extra = batch["extra_info"][i] if "extra_info" in batch else None
+        out.append({"model": model, "prompt": templates.prompt_text(raw), "messages": messages,
+                    "ground_truth": batch["ground_truth"][i], "data_source": batch["data_source"][i],
+                    "extra_info": extra or {}})
+    return out
+
+
+def log_failures(finished: Finished) -> None:
+    lost = [(e, o) for e, o in zip(finished.episodes, finished.outcomes) if o.status != "ok"]
+    for episode, outcome in lost[:SHOWN_ERRORS]:
+        log.warning("agent episode %d (prompt %d) lost, %s: %s", episode.index, episode.prompt_index, outcome.status,
+                    outcome.error)
+    if len(lost) > SHOWN_ERRORS:
+        log.warning("... and %d more episodes lost", len(lost) - SHOWN_ERRORS)

@@ -1,0 +1,212 @@
+"""The user's agents, one run per episode: a Python `solve(client, sample)`, a program, or an
+environment driven by the engine's own loop. Whatever an agent does (raises, hangs, exits non-zero,
+prints garbage) costs its episode only: the run goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from nodes.agents.episode import Episode
+from nodes.agents import openai_api
+from nodes.agents.openai_api import Request
+from nodes.agents.service import Service
+
+KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last ones)
+REWARD_SHAPE = "a number, null, or {\"reward\": number or null, \"info\": {...}}"
+
+
+@dataclass
+class Outcome:
+    status: str  # "ok", "failed" (raised, exited non-zero, returned something else than a reward), "timeout"
+    reward: float | None = None
+    info: dict = field(default_factory=dict)
+    error: str = ""
+
+
+Agent = Callable[[Episode, dict], Awaitable[Any]]
+
+
+async def run_episode(agent: Agent, episode: Episode, sample: dict, timeout_s: float, service: Service) -> Outcome:
+    """One episode to its end, within `timeout_s`; its key is revoked after."""
+    task = asyncio.ensure_future(agent(episode, sample))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            return Outcome("timeout", error=f"no result within timeout_s = {timeout_s:g} s")
+        reward, info = reward_of(task.result())
+        return Outcome("ok", reward, info)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the agent's failure is its episode's
+        return Outcome("failed", error=_described(exc))
+    finally:
+        task.cancel()  # a late agent is stopped (one that ignores it is left to itself)
+        service.end(episode)
+
+
+def reward_of(value: Any) -> tuple[float | None, dict]:
+    """(reward, info) from what an agent returned; ValueError for anything else."""
+    info = {}
+    if isinstance(value, dict):
+        if "reward" not in value or not isinstance(value.get("info", {}), dict):
+            raise ValueError(f"the agent returned {_short(value)}; expected {REWARD_SHAPE}")
+        value, info = value["reward"], value.get("info", {})
+    if value is None:
+        return None, info
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the agent returned {_short(value)}; expected {REWARD_SHAPE} (a finite number)")
+    return float(value), info
+
+
+def python_agent(solve: Callable) -> Agent:
+    """`solve(client, sample)` with an `openai.AsyncOpenAI` client at the episode's own address and key."""
+    import httpx
+    import openai
+
+    async def run(episode: Episode, sample: dict) -> Any:
+        # a connection pool of its own: one shared by all episodes scans every connection per request
+        # (httpcore); its own host, never through a proxy
+        async with httpx.AsyncClient(trust_env=False, verify=False, timeout=None) as http:
+            client = openai.AsyncOpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http,
+                                        max_retries=0)
+            return await solve(client, _public(sample))
+
+    return run
+
+
+def command_agent(argv: list[str], cwd: str | None) -> Agent:
+    """A program per episode: OPENAI_BASE_URL and OPENAI_API_KEY in its environment, the sample as JSON on
+    stdin; its last line on stdout is its reward (JSON). Stopped with its process group when late."""
+
+    async def run(episode: Episode, sample: dict) -> Any:
+        env = {**os.environ, "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key}
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
+                                                    start_new_session=True)
+        try:
+            proc.stdin.write(json.dumps(_public(sample), default=str).encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+            out, err = await asyncio.gather(_tail(proc.stdout), _tail(proc.stderr))
+            code = await proc.wait()
+        except BaseException:
+            _kill(proc)
+            await proc.wait()
+            raise
+        if code != 0:
+            raise RuntimeError(f"{argv[0]} exited with status {code}: {_last_lines(err)}")
+        lines = [line for line in out.decode("utf-8", "replace").splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"{argv[0]} printed nothing; expected its reward as the last line of stdout: {REWARD_SHAPE}")
+        try:
+            return json.loads(lines[-1])
+        except ValueError:
+            raise ValueError(f"{argv[0]}'s last line of stdout is {_short(lines[-1])}; expected {REWARD_SHAPE}") from None
+
+    return run
+
+
+def env_agent(make_env: Callable[[], Any], service: Service, pool: ThreadPoolExecutor) -> Agent:
+    """An environment's episode: reset(sample) gives the first observation (None: the sample's prompt), each
+    model turn goes to step(text) -> (observation, reward, done) (a gymnasium 5-tuple works too), each
+    observation comes back as the next message; the episode's reward is the sum of the steps'."""
+
+    async def run(episode: Episode, sample: dict) -> Any:
+        loop = asyncio.get_running_loop()
+
+        def call(fn, *args):
+            return loop.run_in_executor(pool, fn, *args)
+
+        env = await call(make_env)
+        try:
+            messages = observation_messages(await call(env.reset, _public(sample))) or list(sample["messages"])
+            total = 0.0
+            while True:
+                turns = episode.turns
+                answer = await service.chat(episode, Request(messages=messages))
+                if episode.turns == turns:  # no turn or no room left
+                    return total
+                reply = answer["choices"][0]["message"]
+                obs, reward, done = step_result(await call(env.step, reply["content"]))
+                total += reward
+                if done:
+                    return total
+                messages += [reply, *observation_messages(obs)]
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                await call(close)
+
+    return run
+
+
+def observation_messages(obs: Any) -> list[dict]:
+    """An observation as chat messages: text becomes a user message; a message or a list of them as given."""
+    if obs is None:
+        return []
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}]
+    items = [obs] if isinstance(obs, dict) else obs
+    if isinstance(items, list):
+        try:
+            return [openai_api.message(m, i) for i, m in enumerate(items)]
+        except openai_api.ApiError as exc:
+            raise ValueError(f"the environment's observation: {exc.message}") from None
+    raise ValueError(f"the environment returned the observation {_short(obs)}; expected text, a message "
+                     "{'role': ..., 'content': ...} or a list of them")
+
+
+def step_result(result: Any) -> tuple[Any, float, bool]:
+    """step()'s (observation, reward, done), from the gym 3- or 4-tuple or gymnasium's 5-tuple."""
+    if isinstance(result, tuple) and len(result) in (3, 4, 5):
+        obs, reward, *flags = result
+        done = bool(flags[0]) or (len(result) == 5 and bool(flags[1]))
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            value = math.nan
+        if math.isfinite(value):
+            return obs, value, done
+    raise ValueError(f"the environment's step returned {_short(result)}; expected (observation, reward, done) "
+                     "with a finite reward")
+
+
+def _public(sample: dict) -> dict:
+    return {k: v for k, v in sample.items() if not k.startswith("_")}
+
+
+async def _tail(stream: asyncio.StreamReader) -> bytes:
+    kept = b""
+    while chunk := await stream.read(65536):
+        kept = (kept + chunk)[-KEEP_OUTPUT:]
+    return kept
+
+
+def _kill(proc: Any) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _last_lines(err: bytes, n: int = 5) -> str:
+    lines = err.decode("utf-8", "replace").strip().splitlines()[-n:]
+    return " | ".join(lines) if lines else "(nothing on stderr)"
+
+
+def _described(exc: BaseException) -> str:
+    """The exception and where in the agent it was raised (the last frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."

@@ -1,0 +1,136 @@
+"""The calls of one rollout's episodes, answered from the engine: the agent endpoint's handlers and the
+environment loop both come here, so every path is the same token-faithful one (episode.py).
+
+An episode is reached by its key (401 for a key that is unknown or whose episode has ended, 403 for a
+live key used on another episode's address); its calls run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+from nodes.agents import openai_api
+from nodes.agents.episode import Episode, Limits, TooLong
+from nodes.agents.engine_link import AgentsEnd
+from nodes.agents.openai_api import ApiError, Request
+from nodes.chat_render import ChatRender
+
+STOP_AT_CALL = "</tool_call>"  # parallel_tool_calls: false ends the turn at its first call
+
+
+class Service:
+    def __init__(self, turns: AgentsEnd, render: ChatRender, model: str, limits: Limits, seed: int | None):
+        self.turns, self.render, self.model, self.limits, self.seed = turns, render, model, limits, seed
+        self.episodes: list[Episode] = []
+        self._by_key: dict[str, Episode] = {}
+        self._revoked: set[str] = set()
+
+    def open(self, prompt_index: int) -> Episode:
+        key = "sk-episode-" + secrets.token_urlsafe(24)
+        episode = Episode(len(self.episodes), prompt_index, key, self.render, self.limits)
+        self.episodes.append(episode)
+        self._by_key[key] = episode
+        return episode
+
+    def end(self, episode: Episode) -> None:
+        """The episode is over (returned, failed, out of time): its key stops working and its calls in
+        flight are cancelled (their turns aborted on the engine)."""
+        episode.ended = True
+        self._by_key.pop(episode.key, None)
+        self._revoked.add(episode.key)
+        for task in list(episode.calls):
+            task.cancel()
+
+    def authorize(self, key: str | None, index: str | None = None) -> Episode:
+        """The episode `key` opens; `index`: the episode the address names."""
+        episode = self._by_key.get(key or "")
+        if episode is None:
+            why = "its episode has ended" if key in self._revoked else "no episode has it"
+            raise ApiError(401, f"this API key does not open an episode ({why}); expected the key the episode was "
+                                "given (OPENAI_API_KEY)", "invalid_api_key")
+        if index is not None and index != str(episode.index):
+            raise ApiError(403, f"this API key belongs to episode {episode.index}, not to episode {index}; an episode "
+                                "may only add to its own conversation", "wrong_episode")
+        return episode
+
+    async def chat(self, episode: Episode, req: Request) -> dict:
+        """A /v1/chat/completions call: the next turn after `req.messages`."""
+        async with _Call(episode) as call:
+            planned = self._plan(lambda: episode.plan_chat(req.messages, req.tools, req.template_kwargs), "messages")
+            if planned.context is None:
+                message, finish, sample = {"role": "assistant", "content": ""}, "length", None
+            else:
+                stop = req.stop + ([STOP_AT_CALL] if req.one_call_per_turn else [])
+                sample = await self._generate(episode, planned, req, stop)
+                text = openai_api.turn_text(req, sample.text, sample.finish_reason)
+                message, calls = openai_api.assistant_message(req, text, f"call-{episode.index}-{episode.turns}")
+                finish = calls or sample.finish_reason
+                episode.finish_chat(planned, sample, message)
+                episode.tool_calls += len(message.get("tool_calls", ()))
+            call.answer = openai_api.chat_answer(f"chatcmpl-{episode.index}-{episode.turns}", self.model, message,
+                                                 finish, _usage(planned, sample), self._logprobs(req, sample))
+            episode.sampling_overridden += req.overridden
+            return call.answer
+
+    async def complete(self, episode: Episode, req: Request) -> dict:
+        """A /v1/completions call: the continuation of `req.prompt`."""
+        async with _Call(episode) as call:
+            planned = self._plan(lambda: episode.plan_text(req.prompt), "prompt")
+            text, finish, sample = "", "length", None
+            if planned.context is not None:
+                sample = await self._generate(episode, planned, req, req.stop)
+                text, finish = openai_api.turn_text(req, sample.text, sample.finish_reason), sample.finish_reason
+                episode.finish_text(planned, sample, text)
+            call.answer = openai_api.completion_answer(f"cmpl-{episode.index}-{episode.turns}", self.model, text, finish,
+                                                       _usage(planned, sample), self._logprobs(req, sample))
+            episode.sampling_overridden += req.overridden
+            return call.answer
+
+    def _plan(self, plan, param: str):
+        try:
+            return plan()
+        except TooLong as exc:
+            raise ApiError(400, str(exc), "context_length_exceeded", param) from None
+        except (ValueError, TypeError) as exc:  # the chat template refused these messages
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param=param) from None
+
+    async def _generate(self, episode: Episode, planned, req: Request, stop: list[str]):
+        seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + episode.turns) % 2**31
+        max_tokens = min(planned.max_tokens, req.max_tokens or planned.max_tokens)
+        return await self.turns.generate(planned.context, max_tokens, seed, stop, req.top_logprobs)
+
+    def _logprobs(self, req: Request, sample: Any) -> list[dict] | None:
+        if not req.logprobs:
+            return None
+        return [] if sample is None else openai_api.logprobs_content(self.render.tokenizer, sample)
+
+
+class _Call:
+    """One call of an episode: alone on it, timed, and cancelled when the episode ends."""
+
+    def __init__(self, episode: Episode):
+        self.episode, self.answer = episode, None
+
+    async def __aenter__(self) -> _Call:
+        await self.episode.lock.acquire()
+        self.began, self.task = time.perf_counter(), asyncio.current_task()
+        if self.episode.ended:
+            self.episode.lock.release()
+            raise ApiError(401, "this episode has ended; expected calls only while its agent runs", "invalid_api_key")
+        self.episode.calls.add(self.task)
+        return self
+
+    async def __aexit__(self, kind, exc, tb) -> None:
+        self.episode.calls.discard(self.task)
+        if exc is None:
+            self.episode.endpoint_seconds.append(time.perf_counter() - self.began)
+        self.episode.lock.release()
+
+
+def _usage(planned, sample) -> dict:
+    prompt = len(planned.context or ())
+    completion = len(sample.token_ids) if sample is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,129 @@
+"""Chat messages as the token ids a model reads, each message rendered once and never again.
+
+A conversation's first request is rendered whole by the chat template; every later one only its new
+messages: the text the template writes after an assistant turn (its close, the new messages, the
+generation prompt), cut from a rendering of them after a stand-in turn. The tokens of earlier turns
+stay what they were, so the model's own tokens are never re-tokenized (a round trip through text
+can merge or split them differently). Message contents are tokenized with their special tokens split
+into plain text, so text from a tool, an environment or an agent that holds the template's control
+tokens (`<|im_end|>`) cannot end a turn or fake a role; the template's own text keeps its special tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+_USER, _ASSISTANT = "U7f3a", "A7f3a"  # stand-ins of the turn new messages follow
+_CONTENT = "C{}x7f3a"  # stand-in of the i-th message content, cut out of the rendering
+
+
+class ChatRender:
+    """A tokenizer's chat template, rendering conversations and their continuations as token ids."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self._frames: dict[str, tuple[str, str, str]] = {}
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
+        """The whole conversation and the generation prompt."""
+        masked, contents = _stand_ins(messages)
+        rendered = self._render(masked, tools, True, template_kwargs)
+        pieces = _cut(rendered, contents)
+        if pieces is None:  # the template changed a content: the whole text, tokenized as vLLM's server does
+            return self._encode([(self._render(_template_ready(messages), tools, True, template_kwargs), False)])
+        return self._encode(pieces)
+
+    def after_turn(self, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None,
+                   **template_kwargs: Any) -> list[int]:
+        """What follows an assistant turn: the template's close of the turn (less the EOS the model
+        sampled, when it ended with one), the new `messages`, and the generation prompt."""
+        before, close, close_after_eos = self._frame(tools, template_kwargs)
+        masked, contents = _stand_ins(messages)
+        rendered = self._render(_turn() + masked, tools, True, template_kwargs)
+        if not rendered.startswith(before):
+            raise ValueError("the chat template renders earlier turns differently once more messages follow; "
+                             "expected a template that appends messages")
+        pieces = _cut(rendered[len(before):], contents)
+        if pieces is None:
+            pieces = [(self._render(_turn() + _template_ready(messages), tools, True, template_kwargs)[len(before):], False)]
+        first = close_after_eos if ended_with_eos else close
+        return self._encode([(first, False), *pieces])
+
+    def text_after_turn(self, messages: list[dict], ended_with_eos: bool = False) -> str:
+        """`after_turn`'s text (to check a template can show such messages at all)."""
+        return self.tokenizer.decode(self.after_turn(messages, ended_with_eos), skip_special_tokens=False)
+
+    def _frame(self, tools, template_kwargs) -> tuple[str, str, str]:
+        """(a stand-in exchange as the template renders it, what closes its assistant turn, that close
+        after a turn the model ended with EOS)."""
+        key = json.dumps([tools, template_kwargs], sort_keys=True, default=str)
+        if key not in self._frames:
+            before = self._render(_turn(), tools, False, template_kwargs)
+            close = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]
+            eos = self.tokenizer.eos_token or ""
+            self._frames[key] = (before, close, close.removeprefix(eos) if eos else close)
+        return self._frames[key]
+
+    def _render(self, messages: list[dict], tools, generation_prompt: bool, template_kwargs: dict) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
+                                                  tokenize=False, **template_kwargs)
+
+    def _encode(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        return [i for text, content in pieces if text
+                for i in self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content)]
+
+
+def _turn() -> list[dict]:
+    return [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+
+
+def _template_ready(messages: list[dict]) -> list[dict]:
+    """Messages as HF chat templates read them: a tool call's arguments as an object, not JSON text."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
+                                     if isinstance(c.get("function"), dict) else c for c in calls]}
+        out.append(m)
+    return out
+
+
+def _arguments(function: dict) -> Any:
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def _stand_ins(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """The messages with each text content replaced by a stand-in; the contents, in order."""
+    masked, contents = [], []
+    for m in _template_ready(messages):
+        m = copy.copy(m)
+        if isinstance(m.get("content"), str) and m["content"]:
+            contents.append(m["content"])
+            m["content"] = _CONTENT.format(len(contents) - 1)
+        masked.append(m)
+    return masked, contents
+
+
+def _cut(rendered: str, contents: list[str]) -> list[tuple[str, bool]] | None:
+    """(text, is a message's content) pieces, the stand-ins replaced by their contents; None when the
+    template did not show some content as it is."""
+    pieces, at = [], 0
+    for i, content in enumerate(contents):
+        stand_in = _CONTENT.format(i)
+        found = rendered.find(stand_in, at)
+        if found == -1:
+            return None
+        pieces += [(rendered[at:found], False), (content, True)]
+        at = found + len(stand_in)
+    return pieces + [(rendered[at:], False)]

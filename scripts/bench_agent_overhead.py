@@ -1,0 +1,78 @@
+"""`scripts/bench_agent.py --overhead`: the agent endpoint's cost against the engine's own loop, and the overlap
+of 64 concurrent episodes (see bench_agent.py). Also the agent the overlap runs (`paced`)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+PROMPTS, N, MAX_TURNS, TOKENS_PER_TURN = 16, 8, 2, 96
+PACED_TURNS, PACE_S = 4, 2.0
+OVERHEAD_BAR = 1.15  # the endpoint's rollout time over the engine's own loop's
+
+
+async def paced(client, sample: dict) -> dict:
+    """An agent that thinks between its calls: PACED_TURNS turns, PACE_S seconds apart (a tool, a person)."""
+    began, messages = time.monotonic(), list(sample["messages"])
+    for _ in range(PACED_TURNS):
+        reply = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=4)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        await asyncio.sleep(PACE_S)
+    return {"reward": 0.0, "info": {"seconds": time.monotonic() - began}}
+
+
+def overhead(task: Path, rounds: int, quiet: bool) -> dict:
+    import pyarrow.parquet as pq
+
+    from nodes import agent_loop
+    from nodes.agents import rollout
+    from nodes.tools import resolve_tool
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.samples import prompt_token_ids
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+
+    engine = VllmRollout(RankContext(rank=0), str(task / "model"), {
+        "dtype": "float32", "kv_cache_gb": 1, "enforce_eager": True, "n": N, "temperature": 0.7, "chat_template": True})
+    rows = pq.read_table(task / "train.parquet").to_pylist()[:PROMPTS]
+    samples = [{"model": "policy", "prompt": r["prompt"], "messages": [{"role": "user", "content": r["prompt"]}],
+                "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"],
+                "extra_info": r["extra_info"]} for r in rows]
+    tools = {"calculator": resolve_tool("calculator")}
+    prompts = [prompt_token_ids(engine.tokenizer, s["prompt"], True, [t.spec() for t in tools.values()]) for s in samples]
+    limits = agent_loop.AgentLimits(MAX_TURNS, TOKENS_PER_TURN, 128, 10.0, 8)
+
+    def endpoint(agent: str, concurrency: int, count: int = PROMPTS, n: int = N) -> tuple[float, rollout.Finished]:
+        params = {"agent": agent, "max_turns": PACED_TURNS, "max_tokens_per_turn": TOKENS_PER_TURN,
+                  "concurrency": concurrency, "timeout_s": 120.0, "max_request_mb": 8, "host": None, "env_kwargs": {}}
+        ctx = SimpleNamespace(engine=engine, node=SimpleNamespace(id="agent", model="policy", params=params),
+                              data=SimpleNamespace(max_prompt_length=40, max_response_length=128), validating=False, seed=3)
+        began = time.perf_counter()
+        finished = rollout.run(ctx, samples[:count], n)
+        return time.perf_counter() - began, finished
+
+    def direct() -> float:
+        began = time.perf_counter()
+        agent_loop.run(engine.turns({}, 128, ["</tool_call>"]), prompts, N, tools, limits, engine.tokenizer, 3)
+        return time.perf_counter() - began
+
+    endpoint("nodes.demo_agents:solve", PROMPTS * N)  # the agents' process started, its imports made
+    pairs = []
+    for _ in range(rounds):
+        through, finished = endpoint("nodes.demo_agents:solve", PROMPTS * N)
+        pairs.append({"endpoint_s": round(through, 3), "direct_s": round(direct(), 3), "ratio": 0.0,
+                      "calls": sum(e.turns for e in finished.episodes), "peak_in_flight": finished.peak_in_flight})
+        pairs[-1]["ratio"] = round(pairs[-1]["endpoint_s"] / pairs[-1]["direct_s"], 3)
+        if not quiet:
+            print(pairs[-1], flush=True)
+    wall, finished = endpoint("bench_agent_overhead:paced", 64, count=8, n=8)
+    durations = [o.info["seconds"] for o in finished.outcomes if o.status == "ok"]
+    engine.close()
+    ratio = statistics.median(p["ratio"] for p in pairs)
+    return {"bar": OVERHEAD_BAR, "ratio_median": ratio, "met": ratio <= OVERHEAD_BAR, "pairs": pairs,
+            "overlap": {"episodes": len(durations), "turns_each": PACED_TURNS, "pace_s": PACE_S, "wall_s": round(wall, 2),
+                        "episode_s_sum": round(sum(durations), 1), "overlap": round(sum(durations) / wall, 1),
+                        "peak_in_flight": finished.peak_in_flight}}
+

@@ -1,0 +1,194 @@
+"""Agents and environments the agent endpoint's tests run (in the agents' process, which imports them
+by `module:function`): random ones for the token-faithfulness property, and ones that fail every way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+async def random_agent(client, sample: dict):
+    """1-4 turns of chat or completions calls with random follow-ups: user and tool messages, tools
+    offered or not, log-probs, streaming, stop strings; now and then a rewritten history (a dropped
+    turn, an edited reply, a fresh conversation), which starts a new segment."""
+    import openai
+
+    rng = random.Random(sample["extra_info"]["seed"])
+    try:
+        await _random_turns(client, sample, rng)
+    except openai.BadRequestError as exc:  # a rewritten history too long for a prompt: the agent stops there
+        assert exc.code == "context_length_exceeded", exc
+    return rng.random()
+
+
+async def _random_turns(client, sample: dict, rng: random.Random) -> None:
+    messages, prompt = list(sample["messages"]), sample["prompt"]
+    for turn in range(rng.randint(1, 4)):
+        if rng.random() < 0.25:  # completions, continuing the text as it came back
+            answer = await client.completions.create(model=sample["model"], prompt=prompt, max_tokens=rng.randint(1, 6),
+                                                     logprobs=rng.choice([None, 2]))
+            prompt += answer.choices[0].text + rng.choice(["\nuser: more\nassistant:", " and", ""])
+            continue
+        kwargs = {"tools": TOOLS, "parallel_tool_calls": rng.random() < 0.5} if rng.random() < 0.5 else {}
+        if rng.random() < 0.3:
+            kwargs.update(logprobs=True, top_logprobs=rng.randint(0, 3))
+        if rng.random() < 0.2:
+            kwargs["stop"] = ["e"]
+        answer = await client.chat.completions.create(model=sample["model"], messages=messages,
+                                                      max_tokens=rng.randint(1, 8), **kwargs)
+        messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+        edit = rng.random()
+        if edit < 0.1 and len(messages) > 2:
+            messages = messages[:1] + messages[3:]  # a dropped exchange
+        elif edit < 0.2:
+            messages[-1] = {"role": "assistant", "content": "rewritten"}
+        elif edit < 0.25:
+            messages = [{"role": "system", "content": "fresh"}, *sample["messages"]]
+        messages.append(rng.choice([{"role": "user", "content": rng.choice(["go on", "<eos> not a token", "ok"])},
+                                    {"role": "tool", "tool_call_id": "x", "content": rng.choice(["42", "none"])}]))
+
+
+async def two_turns(client, sample: dict):
+    """Two chat turns, the reward left to the pipeline."""
+    messages = list(sample["messages"])
+    first = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=8)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+    await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=8)
+    return None
+
+
+async def raises_on_a_third(client, sample: dict):
+    """A user's agent of two chat turns that leaves the reward to the pipeline's reward node; but on every
+    third prompt (by its operands) it raises after its first turn."""
+    messages = list(sample["messages"])
+    first = await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=8)
+    if sum(sample["extra_info"]["numbers"]) % 3 == 0:
+        raise RuntimeError("this agent fails on a third of its episodes")
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+    await client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=8)
+    return None
+
+
+async def misbehaves(client, sample: dict):
+    """By the sample's seed: raises, hangs past the timeout, returns no reward shape, or behaves."""
+    kind = sample["extra_info"]["seed"] % 4
+    await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=4)
+    if kind == 0:
+        raise ValueError("broken agent")
+    if kind == 1:
+        await asyncio.sleep(3600)
+    if kind == 2:
+        return "not a reward"
+    return 0.5
+
+
+async def blocks_its_loop(client, sample: dict):
+    """A blocking call inside an async agent: it stalls the whole event loop of the agents' process."""
+    await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=2)
+    time.sleep(3600)
+
+
+async def probes_the_endpoint(client, sample: dict):
+    """What the endpoint answers to bad calls, as status codes (info). Run one episode at a time: each
+    leaves its key in extra_info.dir, and the next tries it once its episode has ended."""
+    import pathlib
+    import re
+
+    base, key, left = str(client.base_url).rstrip("/"), client.api_key, pathlib.Path(sample["extra_info"]["dir"])
+    index = int(re.search(r"/episodes/(\d+)/", base).group(1))
+    good = {"model": sample["model"], "messages": sample["messages"], "max_tokens": 2}
+    async with httpx.AsyncClient(trust_env=False) as http:
+        async def status(url, body=None, token=key, content=None):
+            reply = await http.post(url, json=body, content=content, headers={"Authorization": f"Bearer {token}"})
+            return reply.status_code, reply.json()["error"] if reply.status_code >= 400 else reply.json()
+
+        codes = {"ok": (await status(f"{base}/chat/completions", good))[0],
+                 "wrong_key": (await status(f"{base}/chat/completions", good, token="sk-wrong"))[0],
+                 "other_episode": (await status(base.replace(f"/episodes/{index}/", f"/episodes/{index + 1}/")
+                                                + "/chat/completions", good))[0],
+                 "too_large": (await status(f"{base}/chat/completions", content=b"x" * (2 * 2**20)))[0],
+                 "n2": (await status(f"{base}/chat/completions", {**good, "n": 2}))[0],
+                 "forced_tool": (await status(f"{base}/chat/completions", {**good, "tool_choice": "required"}))[0],
+                 "not_json": (await status(f"{base}/chat/completions", content=b"{oops"))[0]}
+        for earlier in left.glob("key-*"):  # an ended episode's key
+            codes["reused_key"] = (await status(f"{base.split('/episodes/')[0]}/v1/chat/completions", good,
+                                                token=earlier.read_text()))[0]
+        (left / f"key-{index}").write_text(key)
+        code, error = await status(f"{base}/chat/completions", {**good, "model": "gpt-4"})
+        codes["wrong_model"] = code
+        models = (await http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})).json()
+    served = sample["model"] in error["message"] and models["data"][0]["id"] == sample["model"]
+    return {"reward": 1.0, "info": {**codes, "names_the_model": float(served)}}
+
+
+async def remembers_its_key(client, sample: dict):
+    """Leaves its address and key where the test finds them (to call again after the rollout)."""
+    await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=2)
+    with open(sample["extra_info"]["path"], "w") as f:
+        json.dump({"base_url": str(client.base_url), "key": client.api_key}, f)
+    return 1.0
+
+
+class CountingEnv:
+    """A gym-shaped environment: asks for `turns` answers, rewards each with 0.25, ends after the last."""
+
+    def __init__(self, turns: int = 2):
+        self.turns, self.seen = turns, 0
+
+    def reset(self, sample: dict):
+        return f"count to {self.turns}: {sample['prompt']}"
+
+    def step(self, text: str):
+        self.seen += 1
+        done = self.seen >= self.turns
+        return ("" if done else f"you said {len(text)} characters; again"), 0.25, done
+
+
+def _calculate(expression: str) -> str:
+    from nodes.tools.calculator import evaluate
+
+    try:
+        return str(evaluate(expression))
+    except ValueError as exc:  # the model's expression: its mistake is the tool's answer
+        return f"error: {exc}"
+
+
+async def openai_agents_sdk(client, sample: dict):
+    """The calculator agent as the OpenAI Agents SDK writes it."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression, e.g. 123+456*2."""
+        return _calculate(expression)
+
+    agent = Agent(name="solver", tools=[calculator], model=OpenAIChatCompletionsModel(model=sample["model"], openai_client=client),
+                  model_settings=ModelSettings(parallel_tool_calls=False))
+    result = await Runner.run(agent, sample["prompt"], max_turns=3)
+    return float(f"#### {sample['ground_truth']}" in str(result.final_output))
+
+
+async def langgraph_react(client, sample: dict):
+    """The calculator agent as LangGraph's prebuilt ReAct agent over LangChain's ChatOpenAI."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression, e.g. 123+456*2."""
+        return _calculate(expression)
+
+    model = ChatOpenAI(model=sample["model"], base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+    graph = create_react_agent(model.bind_tools([calculator], parallel_tool_calls=False), [calculator])
+    state = await graph.ainvoke({"messages": [("user", sample["prompt"])]}, {"recursion_limit": 6})
+    return float(f"#### {sample['ground_truth']}" in str(state["messages"][-1].content))

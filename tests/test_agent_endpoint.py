@@ -1,0 +1,163 @@
+"""The agents' endpoint on a real vLLM engine, through the real `openai` client, in the agents' own
+process: token faithfulness for random agents, every fault an agent or a client can commit, the
+environment loop, agent programs, and the endpoint's life."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nodes.agents import rollout as agents_rollout
+from nodes.agents import rows as agent_rows
+
+pytestmark = pytest.mark.engines
+HERE = Path(__file__).resolve().parent
+PARAMS = {"max_turns": 6, "max_tokens_per_turn": None, "concurrency": 64, "timeout_s": 60.0, "max_request_mb": 1,
+          "host": None, "env_kwargs": {}}
+
+
+class Recording:
+    """The session's engine, recording each turn it was asked for (its context) and what it sampled."""
+
+    def __init__(self, engine):
+        self.engine, self.asked, self.sampled = engine, {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def turns(self, *args):
+        turns, rollout = self.engine.turns(*args), len(self.asked)
+        add, step = turns.add, turns.step
+
+        def recorded_add(key, context, *rest):
+            self.asked[rollout, key] = list(context)
+            add(key, context, *rest)
+
+        def recorded_step():
+            done = step()
+            for key, sample in done:
+                self.sampled[rollout, key] = sample
+            return done
+
+        turns.add, turns.step = recorded_add, recorded_step
+        return turns
+
+
+def run(engine, samples: list[dict], n: int = 1, validating: bool = False, **params):
+    ctx = SimpleNamespace(engine=engine, validating=validating, seed=7,
+                          node=SimpleNamespace(id="agent", model="policy", params={**PARAMS, **params}),
+                          data=SimpleNamespace(max_prompt_length=64, max_response_length=160))
+    return agents_rollout.run(ctx, samples, n)
+
+
+def samples(count: int, **extra) -> list[dict]:
+    prompts = [f"Q: {i}+{i}=? A:" for i in range(count)]
+    return [{"model": "policy", "prompt": p, "messages": [{"role": "user", "content": p}], "ground_truth": str(2 * i),
+             "data_source": "test", "extra_info": {"seed": i, **extra}} for i, p in enumerate(prompts)]
+
+
+def test_random_agents_train_exactly_the_tokens_the_engine_sampled(vllm_engine):
+    """For 64 random agents at once (turns, tools, completions, rewritten histories): every row's masked
+    tokens are turns the engine sampled, in order, each after exactly the tokens before it in its row;
+    the rest of a row is what the agent sent, never trained on."""
+    engine = Recording(vllm_engine)
+    finished = run(engine, samples(64), agent="agents_for_tests:random_agent")
+    assert [o.status for o in finished.outcomes] == ["ok"] * 64, [o.error for o in finished.outcomes if o.error][:3]
+    by_context = {tuple(context): engine.sampled[key] for key, context in engine.asked.items()}
+    used = 0
+    for episode in finished.episodes:
+        for segment in episode.segments:
+            at = 0
+            while at < len(segment.ids):
+                if not segment.mask[at]:
+                    at += 1
+                    continue
+                turn = by_context[tuple(segment.prompt_ids + segment.ids[:at])]  # the engine saw exactly this
+                end = at + len(turn.token_ids)
+                assert segment.ids[at:end] == list(turn.token_ids) and segment.mask[at:end] == [1] * len(turn.token_ids)
+                assert segment.logprobs[at:end] == pytest.approx(list(turn.logprobs))
+                at, used = end, used + 1
+    assert used == len(engine.sampled) == sum(e.turns for e in finished.episodes)
+    assert sum(e.prefix_breaks for e in finished.episodes) > 0  # some histories were rewritten
+    assert sum(len(e.rows()) for e in finished.episodes) > 64  # and started segments of their own
+    assert finished.peak_in_flight >= 32  # the 64 episodes ran at once, not one after another
+    metrics = agent_rows.metrics(finished, agent_rows.rows_of(finished, [f"u{i}" for i in range(64)], 1, False, None, 0),
+                                 64, False)
+    assert metrics["agent/failed"] == 0 and metrics["agent/segments/mean"] > 1 and metrics["agent/endpoint_s/mean"] > 0
+
+
+def test_agents_that_fail_lose_their_episodes_only(vllm_engine):
+    """Raising, hanging past timeout_s and returning something else than a reward each lose an episode,
+    counted; the others finish."""
+    finished = run(vllm_engine, samples(8), agent="agents_for_tests:misbehaves", timeout_s=5.0)
+    statuses = [o.status for o in finished.outcomes]
+    assert statuses == ["failed", "timeout", "failed", "ok"] * 2
+    assert "ValueError: broken agent" in finished.outcomes[0].error
+    assert "'not a reward'" in finished.outcomes[2].error and finished.outcomes[3].reward == 0.5
+    found = agent_rows.rows_of(finished, [f"u{i}" for i in range(8)], 1, False, None, 0)
+    metrics = agent_rows.metrics(finished, found, 8, False)
+    assert (metrics["agent/failed"], metrics["agent/timeouts"], metrics["agent/groups_dropped"]) == (6, 2, 6)
+    assert found.index == [3, 7]  # training rows: the finished episodes' only
+    validation = agent_rows.rows_of(finished, [f"u{i}" for i in range(8)], 1, True, lambda i: [1, 2], 0)
+    assert validation.index == list(range(8))  # validation: one row per episode, lost ones empty
+    assert [any(s.mask) for s in validation.samples] == [False, False, False, True] * 2
+
+
+def test_the_endpoint_answers_bad_calls_as_openai_does(vllm_engine, tmp_path):
+    finished = run(vllm_engine, samples(3, dir=str(tmp_path)), agent="agents_for_tests:probes_the_endpoint",
+                   concurrency=1)
+    assert [o.status for o in finished.outcomes] == ["ok"] * 3, [o.error for o in finished.outcomes]
+    info = finished.outcomes[-1].info
+    assert (info["ok"], info["wrong_key"], info["reused_key"], info["other_episode"], info["too_large"],
+            info["wrong_model"], info["n2"], info["forced_tool"], info["not_json"]) == (200, 401, 401, 403, 413, 404,
+                                                                                          400, 400, 400)
+    assert info["names_the_model"] == 1.0
+
+
+def test_the_endpoint_is_gone_when_the_rollout_ends(vllm_engine, tmp_path):
+    left = tmp_path / "key.json"
+    finished = run(vllm_engine, samples(1, path=str(left)), agent="agents_for_tests:remembers_its_key")
+    assert finished.outcomes[0].status == "ok"
+    url = json.loads(left.read_text())["base_url"]
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    assert host == "127.0.0.1"
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_an_environment_is_driven_by_the_engines_loop(vllm_engine):
+    finished = run(vllm_engine, samples(4), n=2, env="agents_for_tests:CountingEnv", env_kwargs={"turns": 3},
+                   max_tokens_per_turn=8)
+    assert [o.status for o in finished.outcomes] == ["ok"] * 8
+    assert [o.reward for o in finished.outcomes] == [0.75] * 8 and [e.turns for e in finished.episodes] == [3] * 8
+    segment = finished.episodes[0].segments[0]
+    shown = vllm_engine.tokenizer.decode([t for t, m in zip(segment.ids, segment.mask) if not m])
+    assert shown.count("again") == 2 and len(finished.episodes[0].segments) == 1  # observations as user turns
+
+
+def test_an_agent_program_gets_the_endpoint_and_the_sample(vllm_engine, tmp_path):
+    program = tmp_path / "agent.py"
+    program.write_text(
+        "import json, os, sys\nfrom openai import OpenAI\n"
+        "sample = json.load(sys.stdin)\n"
+        "client = OpenAI(base_url=os.environ['OPENAI_BASE_URL'], api_key=os.environ['OPENAI_API_KEY'])\n"
+        "reply = client.chat.completions.create(model=sample['model'], messages=sample['messages'], max_tokens=3)\n"
+        "if sample['extra_info']['seed'] == 1: sys.exit('no luck')\n"
+        "print('a log line'); print(json.dumps({'reward': len(reply.choices[0].message.content) / 10}))\n")
+    finished = run(vllm_engine, samples(2), agent_command=[sys.executable, str(program)])
+    (ok, failed) = finished.outcomes
+    assert ok.status == "ok" and ok.reward is not None and finished.episodes[0].turns == 1
+    assert failed.status == "failed" and "exited with status 1" in failed.error and "no luck" in failed.error
+
+
+def test_an_agent_that_blocks_its_loop_loses_the_rollout_not_the_run(vllm_engine, monkeypatch):
+    monkeypatch.setattr(agents_rollout, "GRACE_S", 3)
+    finished = run(vllm_engine, samples(2), agent="agents_for_tests:blocks_its_loop", timeout_s=2.0)
+    assert [o.status for o in finished.outcomes] == ["timeout", "timeout"]
+    again = run(vllm_engine, samples(2), agent="agents_for_tests:two_turns")  # a new agents' process
+    assert [o.status for o in again.outcomes] == ["ok", "ok"] and [e.turns for e in again.episodes] == [2, 2]

@@ -1,0 +1,164 @@
+"""The agent endpoint's pure logic with the tiny model's tokenizer (no engine: the real engine runs in
+test_agent_endpoint.py): requests read or refused as OpenAI's server would, replies as OpenAI shapes them,
+episodes' token bookkeeping, the reward node's use of agents' rewards, mini batches of ragged rows."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nodes.agents import openai_api
+from nodes.agents.episode import Episode, Limits, TooLong, normalize
+from nodes.agents.openai_api import ApiError
+from nodes.chat_render import ChatRender
+from siirl_dag.strategies.megatron import batching
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+USER = [{"role": "user", "content": "Q: 1+1=? A:"}]
+
+
+def read(body: dict, chat: bool = True):
+    return openai_api.read({"model": "policy", **body}, "policy", chat)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": USER, "model": "gpt-4"}, 404, "model"),
+    ({"messages": USER, "n": 3}, 400, "n"),
+    ({"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, 400, "messages.0.content"),
+    ({"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": USER, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    ({"messages": USER, "stop": [""]}, 400, "stop"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+])
+def test_requests_that_would_change_what_is_sampled_or_do_not_parse_are_refused(body, status, param):
+    with pytest.raises(ApiError) as info:
+        read(body)
+    assert (info.value.status, info.value.param) == (status, param)
+    assert info.value.body()["error"]["message"]
+
+
+def test_a_request_is_read_into_what_the_turn_needs():
+    req = read({"messages": [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+                             *USER], "temperature": 0.2, "max_completion_tokens": 5, "stop": "x", "logprobs": True,
+                "top_logprobs": 2, "tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": False,
+                "stream": True, "stream_options": {"include_usage": True}})
+    assert req.messages[0] == {"role": "system", "content": "be brief"}  # developer is the system turn, parts joined
+    assert (req.max_tokens, req.stop, req.top_logprobs, req.overridden) == (5, ["x"], 2, True)
+    assert req.parse_tool_calls and req.one_call_per_turn and req.stream and req.include_usage
+    assert read({"prompt": ["text"]}, chat=False).prompt == "text" and read({"prompt": [1, 2]}, chat=False).prompt == [1, 2]
+    with pytest.raises(ApiError):
+        read({"prompt": "x", "echo": True}, chat=False)
+
+
+def test_tool_calls_come_back_in_openai_shape_and_malformed_ones_stay_text():
+    req = read({"messages": USER, "tools": [{"type": "function", "function": {"name": "calc"}}]})
+    text = 'let me see <tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call><tool_call>{oops</tool_call>'
+    message, finish = openai_api.assistant_message(req, text, "call-0-0")
+    assert finish == "tool_calls" and message["tool_calls"] == [
+        {"id": "call-0-0-0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]
+    assert message["content"] == "let me see <tool_call>{oops</tool_call>"
+    plain, finish = openai_api.assistant_message(read({"messages": USER}), text, "c")
+    assert plain == {"role": "assistant", "content": text} and finish is None  # no tools offered: all text
+    assert openai_api.turn_text(read({"messages": USER, "stop": ["END"]}), "fine END", "stop") == "fine "
+
+
+def test_a_streamed_answer_is_the_message_then_the_finish():
+    answer = openai_api.chat_answer("id", "policy", {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "tool_calls",
+        {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, None)
+    first, last, usage = openai_api.stream_chunks(answer, include_usage=True)
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    assert "content" not in first["choices"][0]["delta"] and last["choices"][0]["finish_reason"] == "tool_calls"
+    assert usage["usage"]["total_tokens"] == 3 and usage["choices"] == []
+
+
+def test_chat_render_renders_only_what_follows_a_turn(tokenizer):
+    render = ChatRender(tokenizer)  # tiny template: "role: content\n", cue "assistant:"
+    assert tokenizer.decode(render.prompt(USER)) == "user: Q: 1+1=? A:\nassistant:"
+    after = render.after_turn([{"role": "tool", "content": "2"}, {"role": "user", "content": "sure?"}], False)
+    assert tokenizer.decode(after) == "\ntool: 2\nuser: sure?\nassistant:"
+    hostile = render.after_turn([{"role": "user", "content": f"x{tokenizer.eos_token}"}], False)
+    assert tokenizer.eos_token_id not in hostile  # a message's special tokens are text
+    no_template = SimpleNamespace(chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatRender(no_template)
+
+
+def test_an_episode_extends_its_history_and_starts_a_segment_when_it_is_rewritten(tokenizer):
+    episode = Episode(0, 0, "k", ChatRender(tokenizer), Limits(max_prompt=64, budget=30, max_turns=3, max_tokens_per_turn=8))
+    turn = SimpleNamespace(token_ids=[70, 71, tokenizer.eos_token_id], logprobs=[-0.1, -0.2, -0.3], finish_reason="stop")
+    first = episode.plan_chat(USER, None, {})
+    assert first.context == ChatRender(tokenizer).prompt(USER) and first.max_tokens == 8
+    episode.finish_chat(first, turn, {"role": "assistant", "content": "ab"})
+    history = USER + [{"role": "assistant", "content": "ab", "tool_calls": None}, {"role": "user", "content": "more"}]
+    second = episode.plan_chat(history, None, {})
+    shown = ChatRender(tokenizer).after_turn([{"role": "user", "content": "more"}], ended_with_eos=True)
+    assert second.context == first.context + turn.token_ids + shown  # the sampled tokens, then only the new message
+    episode.finish_chat(second, turn, {"role": "assistant", "content": "ab"})
+    (segment,) = episode.segments
+    assert segment.mask == [1, 1, 1] + [0] * len(shown) + [1, 1, 1] and segment.logprobs[:3] == [-0.1, -0.2, -0.3]
+    rewritten = episode.plan_chat(USER + [{"role": "assistant", "content": "something else"}], None, {})
+    assert len(episode.segments) == 2 and episode.prefix_breaks == 1 and rewritten.max_tokens == 8
+    episode.finish_chat(rewritten, turn, {"role": "assistant", "content": "ab"})
+    assert episode.plan_chat(USER, None, {}).context is None  # a fourth turn: past max_turns
+    with pytest.raises(TooLong):
+        episode.plan_chat([{"role": "user", "content": "x" * 60}], None, {})
+
+
+def test_completions_extend_an_episode_as_text_or_as_token_ids(tokenizer):
+    episode = Episode(0, 0, "k", ChatRender(tokenizer), Limits(40, 12, 5, 8))
+    turn = SimpleNamespace(token_ids=[70, 71], logprobs=[-1.0, -1.0], finish_reason="length")
+    first = episode.plan_text("Q:")
+    episode.finish_text(first, turn, "ab")
+    second = episode.plan_text("Q:ab and")
+    assert second.context == first.context + [70, 71] + tokenizer.encode(" and", add_special_tokens=False)
+    episode.finish_text(second, turn, "cd")
+    ids = episode.plan_text(first.context)  # ids, not the text the episode holds: a new segment
+    assert len(episode.segments) == 2 and episode.prefix_breaks == 1 and ids.context == first.context
+    episode.finish_text(ids, turn, "ab")
+    assert episode.plan_text(first.context + [70, 71, 5]).context == first.context + [70, 71, 5]  # ids extend ids
+    assert normalize({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}) \
+        == normalize({"role": "assistant", "content": "", "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": {"a": 1}}}]})
+
+
+def test_the_reward_node_takes_an_agents_reward_and_scores_the_rest_on_their_final_answers(tokenizer):
+    from nodes.reward import _scores
+
+    nan = math.nan
+    right, wrong = tokenizer.encode(" #### 2", add_special_tokens=False), tokenizer.encode(" #### 3", add_special_tokens=False)
+    width = max(len(right), len(wrong))
+    rows = [wrong, right, wrong, wrong]  # episode a: two segments, its answer in the last; b: its own reward; c
+    batch = {"responses": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+             "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+             "agent_reward": torch.tensor([nan, nan, 0.25, nan]), "episode": ["u#a", "u#a", "u#b", "u#c"],
+             "data_source": ["gsm8k"] * 4, "ground_truth": ["2"] * 4}
+    ctx = SimpleNamespace(tokenizer=tokenizer, metrics={})
+    params = {"scorer": "auto", "method": "strict", "format_score": 0.0}
+    assert _scores(batch, ctx, params) == [1.0, 1.0, 0.25, 0.0] and ctx.metrics["reward/from_agent"] == 0.25
+    assert _scores(batch, ctx, {**params, "scorer": "agent"}) == [0.0, 0.0, 0.25, 0.0] and ctx.metrics["reward/unscored"] == 2
+
+
+@pytest.mark.parametrize("rows, total, widest, mini, micro, dp, parts, size", [
+    (8, 8, 8, 4, 2, 1, [(0, 4), (4, 8)], 4),  # whole mini batches: cut as they are
+    (7, 7, 7, 4, 2, 1, [(0, 4), (4, 7)], 4),  # round(7 / 4) = 2 mini batches, each padded to 4 rows
+    (11, 11, 11, 8, 4, 1, [(0, 11)], 12),  # round(11 / 8) = 1, padded to whole micro batches
+    (3, 7, 4, 8, 2, 2, [(0, 3)], 4),  # the rank holding 3 of 7 pads to the widest rank's 4
+    (13, 13, 13, 4, 1, 1, [(0, 4), (4, 9), (9, 13)], 5),  # round(13 / 4) = 3 of at most 5 rows
+])
+def test_ragged_rows_spread_over_the_nearest_number_of_mini_batches(rows, total, widest, mini, micro, dp, parts, size):
+    found, padded, micro_size = batching.mini_batches(rows, total, widest, mini, micro, 16, dp, None, 1, 1)
+    assert (found, padded, micro_size) == (parts, size, micro)

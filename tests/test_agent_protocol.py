@@ -5,6 +5,7 @@ episodes' token bookkeeping, the reward node's use of agents' rewards, mini batc
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -162,3 +163,60 @@ def test_the_reward_node_takes_an_agents_reward_and_scores_the_rest_on_their_fin
 def test_ragged_rows_spread_over_the_nearest_number_of_mini_batches(rows, total, widest, mini, micro, dp, parts, size):
     found, padded, micro_size = batching.mini_batches(rows, total, widest, mini, micro, 16, dp, None, 1, 1)
     assert (found, padded, micro_size) == (parts, size, micro)
+
+
+OPENAI_GRAPH = Path(__file__).resolve().parents[1] / "graphs" / "tiny_agent_openai_cpu.yaml"
+
+
+def door_problems(model_dir, *overrides: str) -> dict[str, str]:
+    from siirl_dag.config import load_pipeline
+    from siirl_dag.errors import ConfigError, format_path
+
+    with pytest.raises(ConfigError) as exc:
+        load_pipeline(OPENAI_GRAPH, [f"models.policy.path={model_dir}", *overrides])
+    return {format_path(p.path): p.message for p in exc.value.problems if p.severity == "error"}
+
+
+def test_agents_are_checked_at_the_door(tiny_model_dir):
+    from siirl_dag.config import load_pipeline
+
+    params = "nodes[0].params"
+    assert "tools and agent are given" in door_problems(tiny_model_dir, "+nodes.agent.params.tools=[calculator]")[params]
+    assert "cannot import module 'no_such_agents'" in door_problems(
+        tiny_model_dir, "nodes.agent.params.agent=no_such_agents:solve")[params + ".agent"]
+    assert "is not an async function" in door_problems(tiny_model_dir, "nodes.agent.params.agent=json:dumps")[params + ".agent"]
+    swapped = ["nodes.agent.params.agent=null"]  # swapping the agent for another kind by override
+    assert "has no reset or step" in door_problems(tiny_model_dir, *swapped, "+nodes.agent.params.env=json:JSONDecoder")[
+        params + ".env"]
+    assert "not a program found on PATH" in door_problems(
+        tiny_model_dir, *swapped, "+nodes.agent.params.agent_command=[no-such-agent-program]")[params + ".agent_command[0]"]
+    assert "needs engines of one rank each (t1)" in door_problems(
+        tiny_model_dir, "cluster.devices_per_node=4", "meshes.gen=vllm:d1t2")["nodes[0].mesh"]
+    env = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", *swapped,
+                                       "+nodes.agent.params.env=agents_for_tests:CountingEnv"])
+    assert env.nodes["agent"].params["env"] == "agents_for_tests:CountingEnv"
+    assert {"agent_reward", "episode"} <= set(env.produces("agent")) and "agent_reward" in env.reads["reward"]
+
+
+@pytest.mark.engines  # a whole CLI run up to its data checks: too slow for `make test-fast`
+def test_an_agent_needs_a_chat_template(tiny_model_dir, tmp_path, demo_data):
+    """Refused before anything starts: exit 2, one message naming the model."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    model = tmp_path / "no_template"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(OPENAI_GRAPH), f"models.policy.path={model}",
+                          f"data.train_files={demo_data / 'train.parquet'}", f"data.val_files={demo_data / 'test.parquet'}",
+                          "data.max_prompt_length=64", "nodes.reward.params.scorer=agent", f"trainer.default_local_dir={tmp_path}/c",
+                          f"trainer.log_dir={tmp_path}/l", f"trainer.tensorboard_dir={tmp_path}/t"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "node 'agent': the chat template of model 'policy' cannot show the messages that follow a turn" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -53,8 +53,8 @@ def _describe(params) -> str:
 
 
 def _check(node, pipeline) -> list[Problem]:
-    """One kind of agent; tools, agents and environments that exist and can run here; an engine an
-    endpoint can drive; a turn that fits the response budget."""
+    """One kind of agent; tools, agents and environments that exist and can run here; a turn that fits
+    the response budget."""
     where = pipeline.node_path(node.id) + ("params",)
     given = [m for m in ONE_OF if node.params.get(m) is not None]
     if len(given) != 1:
@@ -69,12 +69,6 @@ def _check(node, pipeline) -> list[Problem]:
     if per_turn is not None and per_turn > budget:
         problems.append(Problem(where + ("max_tokens_per_turn",), f"{per_turn} tokens per turn exceed the response "
                                 f"budget data.max_response_length = {budget}; expected at most {budget}"))
-    plan = pipeline.plan
-    if mode in MODES and plan is not None and node.mesh in plan.meshes and plan.meshes[node.mesh].dims.tp > 1:
-        problems.append(Problem(pipeline.node_path(node.id) + ("mesh",), f"{mode} needs engines of one rank each (t1): "
-                                "a tensor-parallel engine's ranks must be handed the same turns in the same order, "
-                                "which agents that call when they please do not do; expected a mesh with t1 "
-                                "(data-parallel engines, d > 1, each serve their own episodes)"))
     return problems
 
 

@@ -31,15 +31,15 @@ async def solve(client, sample: dict) -> dict:
         if not message.tool_calls:
             break
         for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": _calculate(call.function)})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(call.function.arguments)})
             calls += 1
     answer = message.content or ""
     return {"reward": gsm8k_score(answer, sample["ground_truth"]), "info": {"tool_calls": calls}}
 
 
-def _calculate(function) -> str:
-    """The calculator's answer to one call, or what was wrong with it."""
+def calculate(arguments: str) -> str:
+    """The calculator's answer to one call (its arguments as JSON text), or what was wrong with it."""
     try:
-        return str(evaluate(str(json.loads(function.arguments)["expression"])))
+        return str(evaluate(str(json.loads(arguments)["expression"])))
     except (ValueError, KeyError, TypeError) as exc:
         return f"error: {exc}"

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dist_utils import run_ranks
 from nodes.agents import rollout as agents_rollout
 from nodes.agents import rows as agent_rows
 
@@ -161,3 +162,31 @@ def test_an_agent_that_blocks_its_loop_loses_the_rollout_not_the_run(vllm_engine
     assert [o.status for o in finished.outcomes] == ["timeout", "timeout"]
     again = run(vllm_engine, samples(2), agent="agents_for_tests:two_turns")  # a new agents' process
     assert [o.status for o in again.outcomes] == ["ok", "ok"] and [e.turns for e in again.episodes] == [2, 2]
+
+
+def _tensor_parallel_rank(rank, world, model_dir):
+    """One of two ranks of a t2 engine (gloo group made by dist_utils), both running the rollout."""
+    from conftest import VLLM_TEST_OPTIONS
+    from siirl_dag.placement.parallel_dims import ParallelDims
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+
+    engine = VllmRollout(RankContext(rank, ParallelDims(tp=2)), model_dir, dict(VLLM_TEST_OPTIONS))
+    ctx = SimpleNamespace(engine=engine, validating=False, seed=7, rank=rank,
+                          node=SimpleNamespace(id="agent", model="policy", params={**PARAMS, "agent": "agents_for_tests:two_turns"}),
+                          data=SimpleNamespace(max_prompt_length=64, max_response_length=160))
+    finished = [agents_rollout.run(ctx, samples(8), 2) for _ in range(2)]  # two rollouts: the group is made once
+    engine.close()
+    return finished
+
+
+def test_a_tensor_parallel_engine_serves_agents_from_its_first_rank(tiny_model_dir):
+    """t2: the first rank runs the agents and tells the other which turns to add and when to step; both
+    give the same episodes, each of two turns."""
+    first, second = run_ranks(_tensor_parallel_rank, 2, tiny_model_dir, timeout=400)
+    for rollouts in (first, second):
+        assert [[o.status for o in f.outcomes] for f in rollouts] == [["ok"] * 16] * 2
+    for mine, theirs in zip(first, second):
+        assert [e.turns for e in mine.episodes] == [2] * 16
+        assert [(s.prompt_ids, s.ids, s.mask) for e in mine.episodes for s in e.segments] == \
+            [(s.prompt_ids, s.ids, s.mask) for e in theirs.episodes for s in e.segments]

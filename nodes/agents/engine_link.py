@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the agents' process imports no torch
     from siirl_dag.strategies.vllm.turns import Turns
@@ -68,25 +68,25 @@ class RankEnd:
         self.conn.close()
 
 
-def serve(link: RankEnd, turns: Turns, deadline: float) -> tuple[Any, int] | None:
+def serve(link: RankEnd, turns: Turns, deadline: float, tell: Callable[[list], None] | None = None) -> tuple[Any, int] | None:
     """Generate the turns the agents ask for until they send their results: (results, the most turns
-    in flight at once); None if `deadline` (time.monotonic()) came first. AgentsGone if they exited."""
+    in flight at once); None if `deadline` (time.monotonic()) came first. AgentsGone if they exited.
+    `tell`: hands each round's adds and aborts to the engine's other tensor-parallel ranks (`follow`), which
+    must be given the same turns in the same order, and step when this one does."""
     conn, live, peak = link.conn, set(), 0
     try:
         while time.monotonic() < deadline:
-            wait = 0 if turns.busy else 0.05  # idle: wait for the agents; generating: take what is there
+            wait, commands = 0 if turns.busy else 0.05, []  # idle: wait for the agents; generating: take what is there
             while conn.poll(wait):
                 message, wait = conn.recv(), 0
                 if message[0] == "finished":
                     return message[1], peak
                 if message[0] == "failed":
                     raise RuntimeError(f"the agents' rollout failed in their process:\n{message[1]}")
-                if message[0] == "add":
-                    live.add(message[1])
-                    turns.add(*message[1:])
-                elif message[0] == "abort" and message[1] in live:
-                    live.discard(message[1])
-                    turns.abort(message[1])
+                if _apply(turns, live, message):
+                    commands.append(message)
+            if tell is not None and (commands or turns.busy):
+                tell(commands)
             peak = max(peak, len(live))
             if turns.busy:
                 for key, sample in turns.step():
@@ -99,6 +99,35 @@ def serve(link: RankEnd, turns: Turns, deadline: float) -> tuple[Any, int] | Non
     finally:
         for key in live:
             turns.abort(key)
+
+
+def follow(turns: Turns, hear: Callable[[], list | None]) -> None:
+    """A tensor-parallel rank of the engine, but its first: the first's adds and aborts, round by round
+    (`hear`; None: the rollout is over), each round a step when there is a turn in flight, as the first does."""
+    live: set = set()
+    try:
+        while (commands := hear()) is not None:
+            for message in commands:
+                _apply(turns, live, message)
+            if turns.busy:
+                for key, _ in turns.step():
+                    live.discard(key)
+    finally:
+        for key in live:
+            turns.abort(key)
+
+
+def _apply(turns: Turns, live: set, message: tuple) -> bool:
+    """An agents' add or abort on the engine; whether it changed anything."""
+    if message[0] == "add":
+        live.add(message[1])
+        turns.add(*message[1:])
+        return True
+    if message[0] == "abort" and message[1] in live:
+        live.discard(message[1])
+        turns.abort(message[1])
+        return True
+    return False
 
 
 class AgentsEnd:

@@ -70,7 +70,27 @@ def _stop_all() -> None:
 
 
 def run(ctx: Any, samples: list[dict], n: int) -> Finished:
-    """`n` episodes per sample (adjacent), to their ends."""
+    """`n` episodes per sample (adjacent), to their ends. A tensor-parallel engine's first rank runs the
+    agents and tells its other ranks which turns to add and when to step (they must do as it does);
+    every rank returns what the first found."""
+    engine, p, data = ctx.engine, ctx.node.params, ctx.data
+    turns = engine.turns({"validate": True} if ctx.validating else {}, data.max_response_length, [])
+    ranks = _TensorParallel.of(engine, ctx.rank) if engine.tp > 1 else None
+    if ranks is not None and not ranks.first:
+        engine_link.follow(turns, ranks.hear)
+        if ranks.result is None:
+            raise RuntimeError("the agents' rollout failed on the engine's first tensor-parallel rank (its error is there)")
+        return ranks.result
+    finished = None
+    try:
+        finished = _lead(ctx, samples, n, turns, ranks.tell if ranks is not None else None)
+        return finished
+    finally:
+        if ranks is not None:
+            ranks.end(finished)
+
+
+def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finished:
     engine, p, data = ctx.engine, ctx.node.params, ctx.data
     node = (ctx.node.id, engine.model_path)
     process = _PROCESSES.get(node)
@@ -79,11 +99,10 @@ def run(ctx: Any, samples: list[dict], n: int) -> Finished:
     limits = Limits(data.max_prompt_length, data.max_response_length, p["max_turns"],
                     p["max_tokens_per_turn"] or data.max_response_length)
     process.link.send(("rollout", RolloutSpec(p, samples, n, limits, ctx.node.model, ctx.seed)))
-    turns = engine.turns({"validate": True} if ctx.validating else {}, data.max_response_length, [])
     deadline = time.monotonic() + math.ceil(len(samples) * n / p["concurrency"]) * p["timeout_s"] + GRACE_S
     why = ""
     try:
-        found = engine_link.serve(process.link, turns, deadline)
+        found = engine_link.serve(process.link, turns, deadline, tell)
         why = "the agents' process did not finish by the rollout's deadline (an agent blocking its event loop?)"
     except engine_link.AgentsGone:
         found, why = None, f"the agents' process exited (status {process.proc.wait()})"
@@ -96,6 +115,46 @@ def run(ctx: Any, samples: list[dict], n: int) -> Finished:
                         [Outcome("timeout" if "deadline" in why else "failed", error=why) for _ in indexes], 0)
     (records, outcomes), peak = found
     return Finished(records, outcomes, peak)
+
+
+class _TensorParallel:
+    """An engine's tensor-parallel ranks, over a gloo group of their own: the first tells, the others hear."""
+
+    _made: dict[int, tuple] = {}  # tp -> (this rank's group, its first rank): made once, by every rank at once
+
+    def __init__(self, group: Any, first: int, rank: int):
+        self.group, self.leader, self.first, self.result = group, first, rank == first, None
+
+    @classmethod
+    def of(cls, engine: Any, rank: int) -> _TensorParallel:
+        import torch.distributed as dist
+
+        if engine.tp not in cls._made:  # new_group is collective: every rank of the mesh makes every group
+            for first in range(0, dist.get_world_size(), engine.tp):
+                group = dist.new_group(list(range(first, first + engine.tp)), backend="gloo")
+                if first <= rank < first + engine.tp:
+                    cls._made[engine.tp] = (group, first)
+        return cls(*cls._made[engine.tp], rank)
+
+    def _broadcast(self, value: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group)
+        return box[0]
+
+    def tell(self, commands: list) -> None:
+        self._broadcast(("round", commands))
+
+    def end(self, finished: Finished | None) -> None:
+        self._broadcast(("end", finished))
+
+    def hear(self) -> list | None:
+        what, value = self._broadcast(None)
+        if what == "end":
+            self.result = value
+            return None
+        return value
 
 
 def samples_of(batch: Any, model: str) -> list[dict]:

@@ -72,7 +72,8 @@ def test_old_logprobs_update_consumes_none_and_needs_one_epoch_of_one_mini_batch
     (p,) = errors(tmp_path, TEXT, ["nodes.actor_update.params.epochs=2"])
     assert p.path == ("nodes", 4, "params", "old_logprobs")
     (p,) = errors(tmp_path, TEXT, ["nodes.actor_update.params.old_logprobs=rollout"])
-    assert "rollout_is would weigh every token by 1; expected rollout_is: off" in p.message
+    assert "rollout_is would count it twice; expected rollout_is: off (rollout_rs still rejects), loss_type: reinforce" \
+        in p.message
     pipe = load(tmp_path, TEXT, ["nodes.actor_update.params.old_logprobs=rollout", "nodes.actor_update.params.rollout_is=off"])
     assert "rollout_logprobs" in pipe.consumes("actor_update") and "old_logprobs" not in pipe.consumes("actor_update")
     assert pipe.nodes["actor_update"].params["rollout_is"] == "off"  # YAML's boolean off, read as the setting's word
@@ -85,12 +86,13 @@ class _Engine:
     """Log-probs of one learnable logit per token, in micro batches as the Megatron engine runs them."""
 
     opts = {"micro_batch_size": 4}
+    dp_group = None
 
     def __init__(self, logits):
         self.w = logits.clone().requires_grad_()
 
     def train(self, batch, loss_fn, mini_batch_size, micro_batch_size, epochs, replay_routes, entropy_grad):
-        sums = {}
+        self.batch, sums = batch, {}
         for s in range(0, batch["responses"].shape[0], micro_batch_size):
             mb = {k: v[s:s + micro_batch_size] for k, v in batch.items()}
             loss, metrics = loss_fn(torch.nn.functional.logsigmoid(self.w[s:s + micro_batch_size]), None, mb, None)
@@ -104,7 +106,7 @@ def _update(params, batch, logits):
     engine = _Engine(logits)
     ctx = SimpleNamespace(params=params, engine=engine, samples_per_prompt=4, metrics={})
     actor_update({k: v.clone() for k, v in batch.items()}, ctx)
-    return engine.w.grad, ctx.metrics
+    return engine.w.grad, ctx.metrics, engine.batch
 
 
 def test_old_logprobs_from_the_update_equal_the_current_policys_as_input(tmp_path):
@@ -115,8 +117,8 @@ def test_old_logprobs_from_the_update_equal_the_current_policys_as_input(tmp_pat
              "advantages": torch.randn(rows, width), "ref_logprobs": -torch.rand(rows, width),
              "rollout_logprobs": torch.nn.functional.logsigmoid(logits) - 0.1 * torch.rand(rows, width)}
     given = dict(batch, old_logprobs=torch.nn.functional.logsigmoid(logits))
-    grad_in, metrics_in = _update({**params, "old_logprobs": "input"}, given, logits)
-    grad_up, metrics_up = _update(params, batch, logits)
+    grad_in, metrics_in, _ = _update({**params, "old_logprobs": "input"}, given, logits)
+    grad_up, metrics_up, _ = _update(params, batch, logits)
     assert torch.allclose(grad_in, grad_up) and grad_up.abs().sum() > 0
     assert metrics_up.keys() == metrics_in.keys() and any(k.startswith("rollout_corr/") for k in metrics_up)
     for key, value in metrics_in.items():

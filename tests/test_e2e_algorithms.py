@@ -1,7 +1,8 @@
 """DAPO and GSPO as YAML, end to end through the real stack (vLLM rollout, Megatron actor, local
 runtime): dynamic sampling re-runs rollout -> reward -> filter until the step is full, and says so in
 one line when it cannot, under the sync schedule and under one_step_off (the shipped graph, on Ray);
-GSPO with rollout importance weights and a straight-through KL trains."""
+GSPO with rollout importance weights and a straight-through KL trains; the rollout correction (IcePop,
+batch-normalized, chained rejections) runs in the real update."""
 
 from __future__ import annotations
 
@@ -25,12 +26,17 @@ GSPO = PIPELINE.replace(
     "use_kl_loss: true, kl_loss_type: k3+, policy_loss: gspo, clip_ratio_low: 3.0e-4, clip_ratio_high: 4.0e-4, "
     "loss_agg_mode: seq-mean-token-mean, rollout_is: token")
 
+CORRECTED = PIPELINE.replace(  # IcePop weights, batch-normalized, and two chained rejections, before the update
+    "use_kl_loss: true, entropy_coeff: 0.001",
+    "use_kl_loss: true, rollout_is: token, rollout_is_threshold: \"0.5_5.0\", rollout_is_batch_normalize: true, "
+    "rollout_rs: \"token_k1,seq_mean_k3\", rollout_rs_threshold: \"0.5_2.0,0.05\"")
+
 
 def launch(tmp_path, text, model, data, metric="token_level_rewards") -> subprocess.CompletedProcess:
     f = tmp_path / "pipeline.yaml"
     f.write_text(text.replace("METRIC", metric).format(devices=2, model=model, data=data, meshes=SEPARATE,
                                                           out=tmp_path, backend="local"))
-    assert "filter_groups" in f.read_text() or "gspo" in f.read_text()
+    assert any(word in f.read_text() for word in ("filter_groups", "gspo", "rollout_rs"))
     return subprocess.run([sys.executable, "-m", "siirl_dag.main", str(f), "--json", *QUICK], capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
 
@@ -63,6 +69,16 @@ def test_gspo_with_rollout_importance_weights_trains(tmp_path, tiny_model_dir, d
     assert m["actor/grad_norm"] > 0 and "actor/kl_loss" in m
     assert 0 < m["rollout_corr/rollout_is_mean"] <= 2.0 and m["rollout_corr/rollout_is_max"] <= 2.0
     assert math.isfinite(m["rollout_corr/kl"]) and m["rollout_corr/training_ppl"] > 1
+
+
+def test_rollout_correction_before_the_update_trains_and_says_what_it_masked(tmp_path, tiny_model_dir, demo_data):
+    history = parsed(launch(tmp_path, CORRECTED, tiny_model_dir, demo_data))
+    for step in ("1", "2"):
+        m = history["steps"][step]
+        assert m["actor/grad_norm"] > 0 and math.isfinite(m["actor/pg_loss"])
+        assert 0 <= m["rollout_corr/rollout_rs_masked_fraction"] <= 1
+        assert m["rollout_corr/rollout_rs_token_k1_masked_fraction"] <= m["rollout_corr/rollout_rs_masked_fraction"]
+        assert 0 <= m["rollout_corr/rollout_is_oob_ratio"] <= 1 and m["rollout_corr/rollout_is_batch_norm_factor"] > 0
 
 
 def test_shipped_dapo_runs_one_step_off_through_ray(tmp_path, tiny_model_dir, demo_data):

@@ -212,6 +212,23 @@ def test_bad_sources_exit_2_naming_the_line(tmp_path, capsys, peer, text, expect
     assert f"{source}{expected}" in err and "Traceback" not in err
 
 
+def test_a_default_given_elsewhere_and_a_here_string(tmp_path):
+    """`$N` unassigned but given a default in another line takes it (and says so); `<<<` is a here-string,
+    not a here-document swallowing the rest of the script (verl's sapo example was refused for it)."""
+    script = tmp_path / "run.sh"
+    script.write_text("""#!/bin/bash
+echo "nodes: ${NNODES:-2}"
+IFS=' ' read -ra ADDR <<<"$head_node_ip"
+python3 -m verl.trainer.main_ppo trainer.nnodes=$NNODES trainer.n_gpus_per_node=$GPUS data.train_batch_size=$BS
+BS=${BS:-64}
+""")
+    src = read_script(script)
+    assert src.keys["trainer.nnodes"] == (2, 4) and src.keys["data.train_batch_size"] == (64, 4)
+    assert "$NNODES is not assigned in the script; the default it gives elsewhere is used (NNODES=2)" in \
+        {x.key: x.why for x in src.remarks}["trainer.nnodes"]
+    assert "$GPUS is not assigned" in src.unresolved["trainer.n_gpus_per_node"]  # no default anywhere: not guessed
+
+
 def test_missing_sources_scripts_without_a_command_and_overwriting_the_source(tmp_path, capsys):
     assert main(["import", "--from", "roll", str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "p.yaml")]) == 2
     assert "nope.yaml: <root>: no such file" in capsys.readouterr().err

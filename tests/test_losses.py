@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nodes.algos.losses import agg_loss, kl_penalty, policy_loss, ppo_actor_loss, ppo_critic_loss, value_loss
-from nodes.algos.rollout_corr import rollout_corr_metrics, rollout_is_weights
+from nodes.algos.rollout_corr import correct
 
 # Per-token loss with padding set to 100 so any leak of padding shows up.
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0, 100.0, 100.0, 100.0]])
@@ -176,13 +176,27 @@ def test_gspo_clips_whole_sequences_at_their_geometric_mean_ratio():
         policy_loss(NEW, OLD, ADV, PMASK, mode="gpso")
 
 
+def test_reinforce_is_minus_advantage_times_logprob_weighted_without_a_ratio():
+    logprobs = NEW.clone().requires_grad_()
+    weights = torch.tensor([[2.0, 1.0, 0.0], [0.5, 1.0, 0.0]])
+    tokens, clipfrac, ppo_kl, clipfrac_lower = policy_loss(logprobs, OLD, ADV, PMASK, loss_type="reinforce",
+                                                           rollout_is_weights=weights)
+    torch.testing.assert_close(tokens, -ADV * NEW * weights)
+    assert clipfrac.item() == clipfrac_lower.item() == 0.0  # no clipping, however far the ratio
+    assert ppo_kl.item() == pytest.approx(-NEW[:, :2].mean().item())  # KL(rollout || policy), old = the rollout's
+    agg_loss(tokens, PMASK, "token-mean").backward()
+    torch.testing.assert_close(logprobs.grad, -ADV * weights * PMASK / 4)
+
+
 def test_rollout_importance_weights_are_truncated_per_token_or_per_sequence():
     old = torch.zeros(1, 3)
     rollout = torch.tensor([[math.log(0.5), math.log(2.0), 7.0]])  # pi_old / pi_rollout = 2, 0.5; padding
     mask = torch.tensor([[1, 1, 0]])
-    torch.testing.assert_close(rollout_is_weights(old, rollout, mask, "token", 1.5), torch.tensor([[1.5, 0.5, 0.0]]))
-    torch.testing.assert_close(rollout_is_weights(old, rollout, mask, "sequence", 1.5), torch.tensor([[1.0, 1.0, 0.0]]))
-    m = rollout_corr_metrics(old, rollout, mask, rollout_is_weights(old, rollout, mask, "token", 1.5))
+    token, kept, m = correct(old, rollout, mask, rollout_is="token", rollout_is_threshold=1.5)
+    torch.testing.assert_close(token, torch.tensor([[1.5, 0.5, 0.0]]))
+    assert kept is mask  # no rejection asked for
+    sequence = correct(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=1.5)[0]
+    torch.testing.assert_close(sequence, torch.tensor([[1.0, 1.0, 0.0]]))
     assert m["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)  # log rho = ln 2, -ln 2
     assert m["rollout_corr/k3_kl"] == pytest.approx((2 - math.log(2) - 1 + 0.5 + math.log(2) - 1) / 2)
     assert m["rollout_corr/chi2_token"] == pytest.approx((4 + 0.25) / 2 - 1)
@@ -211,9 +225,10 @@ def test_loss_modes_and_estimators_are_the_schema_enums():
     import json
     from pathlib import Path
 
-    from nodes.algos.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES
+    from nodes.algos.losses import KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES, POLICY_LOSS_MODES
 
     schema = json.loads(Path("siirl_dag/schemas/nodes/actor_update.schema.json").read_text())["properties"]
     assert schema["loss_agg_mode"]["enum"] == list(LOSS_AGG_MODES)
     assert schema["kl_loss_type"]["enum"] == list(KL_ESTIMATORS)
     assert schema["policy_loss"]["enum"] == list(POLICY_LOSS_MODES)
+    assert schema["loss_type"]["enum"] == list(LOSS_TYPES)

@@ -84,6 +84,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 POLICY_LOSS_MODES = ("vanilla", "gspo")
+LOSS_TYPES = ("ppo_clip", "reinforce")  # reinforce: verl's bypass-mode loss, without a ratio
 
 
 def policy_loss(
@@ -96,6 +97,7 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: Optional[float] = 3.0,
     mode: str = "vanilla",
+    loss_type: str = "ppo_clip",
     rollout_is_weights: Optional[torch.Tensor] = None,
 ):
     """PPO clipped surrogate with asymmetric clipping and dual-clip, per token or per sequence.
@@ -105,17 +107,23 @@ def policy_loss(
     huge ratio on a bad token cannot blow up the update; None disables it.
     gspo (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios, clipped as a
     whole (GSPO-token: each token carries the sequence's value with its own gradient); no dual-clip.
-    `rollout_is_weights` [B, R] (truncated importance weights of the rollout engine's sampling against
-    the trainer's old policy) multiply each token's loss.
+    loss_type reinforce (verl's bypass mode, old_logprobs the rollout's): -A log pi, no ratio, no clipping.
+    `rollout_is_weights` [B, R] (importance weights of the rollout engine's sampling against the
+    trainer's old policy) multiply each token's loss.
     Returns (the per-token loss [B, R], pg_clipfrac, ppo_kl, pg_clipfrac_lower), the last three detached
     scalars.
     """
-    if mode not in POLICY_LOSS_MODES:
-        raise ValueError(f"unknown policy loss {mode!r}; expected one of {', '.join(POLICY_LOSS_MODES)}")
+    if mode not in POLICY_LOSS_MODES or loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown policy loss {mode!r} / loss type {loss_type!r}; expected one of "
+                         f"{', '.join(POLICY_LOSS_MODES)} / {', '.join(LOSS_TYPES)}")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 (dual-clip lower bound), got {clip_ratio_c}")
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
     ppo_kl = masked_mean(-log_ratio, response_mask)
+    if loss_type == "reinforce":
+        loss = -advantages * logprobs
+        zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        return (loss if rollout_is_weights is None else loss * rollout_is_weights), zero, ppo_kl.detach(), zero
     if mode == "gspo":
         seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).unsqueeze(-1)
         log_ratio = (logprobs - logprobs.detach() + seq_log_ratio.detach()).clamp(max=10.0)
@@ -177,6 +185,7 @@ def ppo_actor_loss(
     kl_loss_type: str = "low_var_kl",
     norm_constant: Optional[float] = None,
     policy_loss_mode: str = "vanilla",
+    loss_type: str = "ppo_clip",
     rollout_is_weights: Optional[torch.Tensor] = None,
     totals: Optional[MiniBatchTotals] = None,
 ):
@@ -191,7 +200,7 @@ def ppo_actor_loss(
 
     pg_tokens, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
         logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, mode=policy_loss_mode,
+        clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, mode=policy_loss_mode, loss_type=loss_type,
         rollout_is_weights=rollout_is_weights)
     metrics: dict = {}
     loss, metrics["actor/pg_loss"] = term(pg_tokens)

@@ -60,9 +60,9 @@ def _fill_defaults(validator_class):
             for name, sub in properties.items():
                 if isinstance(sub, dict) and "default" in sub and name not in instance:
                     instance[name] = copy.deepcopy(sub["default"])
-                # YAML reads a plain off / on as a boolean; a setting whose words include them means the word
+                # YAML reads a plain off / on as a boolean; a setting whose words (or default) include them means the word
                 word = {False: "off", True: "on"}.get(instance.get(name)) if isinstance(instance.get(name), bool) else None
-                if word and isinstance(sub, dict) and word in sub.get("enum", ()):
+                if word and isinstance(sub, dict) and (word in sub.get("enum", ()) or word == sub.get("default")):
                     instance[name] = word
         yield from validate_properties(validator, properties, instance, schema)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from siirl_dag.errors import ConfigError
-from siirl_dag.importers import areal_agentic
+from siirl_dag.importers import areal_agentic, corrections
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet, strategy_options
 from siirl_dag.importers.features import decay_steps, lora, refuse
 from siirl_dag.importers.source import Source
@@ -87,6 +87,7 @@ def convert(src: Source) -> Draft:
     if src.take("actor.gradient_checkpointing", False, kind=bool):
         draft.actor |= {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     _loss(src, draft, batch, n)
+    _dapo(src, draft)
     _lr(src, draft)
     lora(draft, src.take("actor.lora_rank") if src.take("actor.use_lora", False) else None,
          src.take("actor.lora_alpha"), src.take("actor.target_modules"))
@@ -219,16 +220,27 @@ def _loss(src: Source, draft: Draft, batch: int | None, n: int) -> None:
     if src.take("actor.importance_sampling_level", "token") in ("sequence", "seq"):
         draft.actor_params["policy_loss"] = "gspo"
         src.remark("actor.importance_sampling_level", "becomes policy_loss: gspo (one clipped ratio per sequence)")
-    if src.take("actor.use_decoupled_loss", False, kind=bool):
-        cap = src.take("actor.behav_imp_weight_cap", src.take("actor.behave_imp_weight_cap"))
-        draft.actor_params |= {"rollout_is": "token", "rollout_is_threshold": cap}
-        src.remark("actor.use_decoupled_loss", "becomes rollout_is: token (the loss weighed by truncated importance "
-                                               "weights of the trainer's old policy over the rollout's)")
+    corrections.areal(src, draft)
     src.take("actor.recompute_logprob")  # old log-probs are always recomputed by the trainer here
     for key in ("actor.group_size", "actor.max_new_tokens"):
         src.take(key)
     for key in ("actor.reward_scaling", "actor.reward_bias"):
         src.drop(key, "rewards are the scorer's here, unscaled")
+
+
+def _dapo(src: Source, draft: Draft) -> None:
+    """DAPO's parts in AReaL's keys: the overlong penalty (verl's, on the rewards) and dynamic batches."""
+    if src.take("actor.overlong_reward_penalty", False, kind=bool):
+        draft.reward |= {"overlong_buffer_len": src.take("actor.overlong_tokens", kind=int),
+                         "overlong_penalty_factor": src.take("actor.overlong_penalty_factor")}
+    else:
+        for key in ("actor.overlong_tokens", "actor.overlong_penalty_factor"):
+            src.drop(key, "the overlong penalty is off (actor.overlong_reward_penalty)")
+    if src.take("dynamic_bs", False, kind=bool):
+        draft.filter_groups = {"metric": "token_level_scores"}
+        src.remark("dynamic_bs", "becomes a filter_groups node (DAPO's dynamic sampling): groups whose scores all agree "
+                                 "are dropped, as the acceptance test of AReaL's DAPO example does, and more prompts "
+                                 "are generated until the batch is full, where AReaL trains on the accepted part")
 
 
 def _advantage(src: Source, draft: Draft, n: int) -> None:

@@ -92,9 +92,11 @@ class Draft:
             nodes.append(_node("values", "critic_value", ["rollout"], mesh="critic", model=CRITIC,
                                options=self.critic | {"value_head": True}))
         scored = "filter" if self.filter_groups else "reward"
-        nodes += [_node("advantage", "advantage", [scored] + (["values"] if uses_critic else []), params=self.advantage),
-                  _node("old_logprob", "logprob", ["filter" if self.filter_groups else "rollout"], mesh="actor",
-                        model=POLICY, options=self.logprob, params={"output": "old_logprobs"})]
+        bypass = self.actor_params.get("old_logprobs") == "rollout"  # the rollout's log-probs are the old policy
+        nodes.append(_node("advantage", "advantage", [scored] + (["values"] if uses_critic else []), params=self.advantage))
+        if not bypass or (kl_in_reward and uses_ref):
+            nodes.append(_node("old_logprob", "logprob", ["filter" if self.filter_groups else "rollout"], mesh="actor",
+                               model=POLICY, options=self.logprob, params={"output": "old_logprobs"}))
         if uses_ref:
             nodes.append(_node("ref_logprob", "logprob", ["rollout"], mesh="ref", model=POLICY, options=self.ref,
                                params={"output": "ref_logprobs"}))
@@ -102,7 +104,7 @@ class Draft:
             nodes.append(_node("critic_update", "critic_update", ["advantage"], mesh="critic", model=CRITIC,
                                params=self.critic_params))
         nodes.append(_node("actor_update", "actor_update",
-                           ["advantage", "old_logprob"] + (["ref_logprob"] if uses_ref else []),
+                           ["advantage"] + ([] if bypass else ["old_logprob"]) + (["ref_logprob"] if uses_ref else []),
                            mesh="actor", model=POLICY, options=self.actor, params=self.actor_params))
         doc = {"name": self.name, "cluster": self.cluster, "models": models, "data": drop_none(self.data),
                "meshes": self.meshes, "nodes": nodes, "trainer": drop_none(self.trainer)}

@@ -5,9 +5,10 @@ A script such as siiRL's `run_qwen3-8b-megatron.sh` sets variables (`export TP=2
 -m siirl.main_dag` / `verl.trainer.main_ppo` (or a recipe's entry point), on continued lines or
 from a bash array. The script is read as bash words (`shell_words`), in order; the first training
 command's overrides become a `Source`, each argument with its line and typed as Hydra types it
-(`off` stays a string). A value only running the script would give (`$(date)`, `$1`, a variable
-the script does not assign) is not guessed: the key is kept as written and marked unresolved, so
-the importer lists it or uses the engine's default, and says which.
+(`off` stays a string). A variable the script does not assign but gives one default elsewhere
+(`${N:-8}` in an echo, say) takes that default, and the key says so. A value only running the
+script would give (`$(date)`, `$1`, a variable with no default) is not guessed: the key is kept as
+written and marked unresolved, so the importer lists it or uses the engine's default, and says which.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _ARRAY_USE = re.compile(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?')
 _KEYWORDS = {"then", "else", "do", "{", "}", "!", "time", "nohup", "exec", "if", "elif", "while", "until"}
 _DECLARE = {"export", "declare", "local", "readonly", "typeset"}
 _HYDRA_STRINGS = {"on", "off", "yes", "no", "y", "n"}  # YAML 1.1 booleans that Hydra reads as strings
+_DEFAULT = re.compile(r"\$\{([A-Za-z_]\w*):?[-=]([^{}$`]*)\}")  # ${X:-d}, ${X:=d} with a literal default
 
 
 def read_script(path: str | Path) -> Source:
@@ -48,7 +50,7 @@ def read_script(path: str | Path) -> Source:
             if m and m.group(3).startswith("(") and m.group(3).endswith(")"):  # CMD=(python3 -m ... k=v): run by eval
                 inner = [Word(w.raw, words[entry].line + w.line - 1) for c in commands(m.group(3)[1:-1]) for w in c]
                 words, entry, twice = inner, _entry(inner, env) or 0, True
-            _arguments(words[entry + 1:], env, arrays, source, twice)
+            _arguments(words[entry + 1:], env, arrays, source, twice, _defaults(text))
             source.raise_problems()
             return source.resolve()
         _assignments(words, env, arrays)
@@ -109,22 +111,47 @@ def _array(inner: str, first_line: int, env: dict) -> list[tuple[list[str] | Unr
     return out
 
 
-def _arguments(words: list[Word], env: dict, arrays: dict, source: Source, twice: bool = False) -> None:
+def _defaults(text: str) -> dict[str, str]:
+    """The variables the script gives one literal default somewhere (`${X:-d}`, `${X:=d}`, in any
+    command): what its author means by a plain `$X` the script does not assign."""
+    found: dict[str, set[str]] = {}
+    for m in _DEFAULT.finditer(text):
+        found.setdefault(m.group(1), set()).add(m.group(2))
+    return {name: next(iter(values)) for name, values in found.items() if len(values) == 1}
+
+
+def _expanded(raw: str, env: dict, twice: bool, defaults: dict) -> tuple[list[str], list[str]]:
+    """A word's values, and the unassigned variables it took the script's default of."""
+    used: list[str] = []
+    while True:
+        try:
+            values = expand(raw, env)
+            return ([w for v in values for w in expand(v, env)] if twice else values), used
+        except Unresolved as exc:
+            if exc.unassigned not in defaults or exc.unassigned in used:
+                raise
+            used.append(exc.unassigned)
+            env = env | {exc.unassigned: expand_one(defaults[exc.unassigned], {})}
+
+
+def _arguments(words: list[Word], env: dict, arrays: dict, source: Source, twice: bool = False,
+               defaults: dict | None = None) -> None:
     """Each argument after the entry point as a key of `source` (arrays spliced in, element by element);
-    `twice`: the words of a command kept in an array and run by `eval`, so expanded again (`\\$X`)."""
-    items: list[tuple[list[str] | Unresolved, str, int]] = []
+    `twice`: the words of a command kept in an array and run by `eval`, so expanded again (`\\$X`);
+    `defaults`: `_defaults`, for the variables the script does not assign."""
+    items: list[tuple[list[str] | Unresolved, str, int, list[str]]] = []
     for word in words:
         use = _ARRAY_USE.fullmatch(word.raw)
         if use and use.group(1) in arrays:
-            items += arrays[use.group(1)]
+            items += [(*item, []) for item in arrays[use.group(1)]]
             continue
         try:
-            values = expand(word.raw, env)
-            items.append(([w for v in values for w in expand(v, env)] if twice else values, word.raw, word.line))
+            values, used = _expanded(word.raw, env, twice, defaults or {})
+            items.append((values, word.raw, word.line, used))
         except Unresolved as exc:
-            items.append((exc, word.raw, word.line))
+            items.append((exc, word.raw, word.line, []))
     pending_option = None
-    for values, raw, line in items:
+    for values, raw, line, used in items:
         if isinstance(values, Unresolved):
             _unresolved(raw, line, values, source)
             continue
@@ -136,6 +163,10 @@ def _arguments(words: list[Word], env: dict, arrays: dict, source: Source, twice
                 pending_option = "--config-name" if text in ("--config-name", "-cn") else "--config-path"
             elif text:
                 _argument(text, line, source)
+                if used:
+                    source.remark(text.lstrip("+").partition("=")[0], f"{', '.join('$' + n for n in used)} is not "
+                                  f"assigned in the script; the default it gives elsewhere is used "
+                                  f"({', '.join(n + '=' + defaults[n] for n in used)})")
 
 
 def _unresolved(raw: str, line: int, why: Unresolved, source: Source) -> None:

@@ -29,7 +29,12 @@ _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, 
 MAX_ARITH = 400  # characters of one $((...)): longer is not a run script's arithmetic
 
 class Unresolved(ValueError):
-    """A value only running the script would give."""
+    """A value only running the script would give; `unassigned`: the variable the script does not
+    assign, where that is why."""
+
+    def __init__(self, message: str, unassigned: str | None = None):
+        super().__init__(message)
+        self.unassigned = unassigned
 
 
 @dataclass
@@ -138,7 +143,7 @@ def commands(text: str) -> list[list[Word]]:
         elif c in "<>":
             if cur and "".join(cur).isdigit():  # 2> : the descriptor, not a word
                 cur = []
-            op = re.match(r"<<-?|<<<|[<>]{1,2}&?-?|&>", text[i:]).group(0)
+            op = re.match(r"<<<|<<-?|[<>]{1,2}&?-?|&>", text[i:]).group(0)  # a here-string is not a document
             i += len(op)
             if op.startswith("<<") and op != "<<<":
                 m = re.match(r"\s*(['\"]?)([^\s'\"]+)\1", text[i:])
@@ -252,7 +257,7 @@ def _lookup(name: str, env: dict):
 def _scalar(name: str, env: dict) -> str:
     value = _lookup(name, env)
     if value is None:
-        raise Unresolved(f"${name} is not assigned in the script")
+        raise Unresolved(f"${name} is not assigned in the script", name)
     return value[0] if isinstance(value, list) and value else "" if isinstance(value, list) else value
 
 
@@ -292,7 +297,7 @@ def _parameter(body: str, env: dict) -> str | list[str]:
     if op.startswith((":?", "?")) and not empty:
         return value
     if value is None:
-        raise Unresolved(f"${name} is not assigned in the script")
+        raise Unresolved(f"${name} is not assigned in the script", name)
     if op in (",,", "^^", ",", "^"):
         case = str.lower if op[0] == "," else str.upper
         text = value if isinstance(value, str) else " ".join(value)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from siirl_dag.importers import verl_agentic
+from siirl_dag.importers import corrections, verl_agentic
 from siirl_dag.importers.draft import Draft, megatron_sizes
 from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.importers.shell_script import read_script
@@ -132,6 +132,7 @@ def convert(src: Source) -> Draft:
                         "kl_estimator": src.take("algorithm.kl_penalty", "kl", kind=str)}
         src.drop("algorithm.kl_ctrl.type", "the KL-in-reward coefficient is fixed here")
     dapo(src, draft)
+    corrections.verl(src, draft)
     for key in ("param_offload", "grad_offload", "optimizer_offload"):  # FSDP's offloads mean the same
         if draft.actor.get(key) is None:
             draft.actor[key] = src.take(f"{A}.actor.fsdp_config.{key}", kind=bool)

@@ -123,6 +123,11 @@ class MegatronEngine(Strategy):
     def dp_size(self) -> int:
         return self._ps().get_data_parallel_world_size(with_context_parallel=True)
 
+    @property
+    def dp_group(self):
+        """The data-parallel group, None on one rank: what a statistic over the whole batch reduces over."""
+        return self._ps().get_data_parallel_group() if self.dp_size > 1 else None
+
     def _dp_max(self, *values: int, op: str = "MAX") -> list[int]:
         """Agree on shapes across DP ranks (expert-parallel collectives span them); op="SUM": add them up."""
         t = torch.tensor(values, dtype=torch.long, device=self.device)

@@ -16,7 +16,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "loo
 
 async def random_agent(client, sample: dict):
     """1-4 turns of chat or completions calls with random follow-ups: user and tool messages, tools
-    offered or not, log-probs, streaming, stop strings; now and then a rewritten history (a dropped
+    offered or not, log-probs, streamed answers, stop strings; now and then a rewritten history (a dropped
     turn, an edited reply, a fresh conversation), which starts a new segment."""
     import openai
 
@@ -41,9 +41,15 @@ async def _random_turns(client, sample: dict, rng: random.Random) -> None:
             kwargs.update(logprobs=True, top_logprobs=rng.randint(0, 3))
         if rng.random() < 0.2:
             kwargs["stop"] = ["e"]
-        answer = await client.chat.completions.create(model=sample["model"], messages=messages,
-                                                      max_tokens=rng.randint(1, 8), **kwargs)
-        messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+        if not kwargs and rng.random() < 0.3:  # streamed: the text assembled from the chunks
+            stream = await client.chat.completions.create(model=sample["model"], messages=messages, stream=True,
+                                                          max_tokens=rng.randint(1, 8))
+            text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            messages.append({"role": "assistant", "content": text})
+        else:
+            answer = await client.chat.completions.create(model=sample["model"], messages=messages,
+                                                          max_tokens=rng.randint(1, 8), **kwargs)
+            messages.append(answer.choices[0].message.model_dump(exclude_none=True))
         edit = rng.random()
         if edit < 0.1 and len(messages) > 2:
             messages = messages[:1] + messages[3:]  # a dropped exchange

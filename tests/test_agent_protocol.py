@@ -87,6 +87,15 @@ def test_a_streamed_answer_is_the_message_then_the_finish():
     assert usage["usage"]["total_tokens"] == 3 and usage["choices"] == []
 
 
+def test_log_probs_come_back_as_the_sampled_tokens_and_their_alternatives(tokenizer):
+    sample = SimpleNamespace(token_ids=[70, 71], logprobs=[-0.5, -1.5], top_logprobs=[[(70, -0.5), (9, -2.0)], [(5, -1.0)]])
+    content = openai_api.logprobs_content(tokenizer, sample)
+    assert [(c["token"], c["logprob"]) for c in content] == [(tokenizer.decode([70]), -0.5), (tokenizer.decode([71]), -1.5)]
+    assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -2.0] and content[1]["top_logprobs"][0]["token"] == \
+        tokenizer.decode([5])
+    assert content[0]["bytes"] == list(tokenizer.decode([70]).encode())
+
+
 def test_chat_render_renders_only_what_follows_a_turn(tokenizer):
     render = ChatRender(tokenizer)  # tiny template: "role: content\n", cue "assistant:"
     assert tokenizer.decode(render.prompt(USER)) == "user: Q: 1+1=? A:\nassistant:"

@@ -73,8 +73,8 @@ def run(ctx: Any, samples: list[dict], n: int) -> Finished:
     """`n` episodes per sample (adjacent), to their ends. A tensor-parallel engine's first rank runs the
     agents and tells its other ranks which turns to add and when to step (they must do as it does);
     every rank returns what the first found."""
-    engine, p, data = ctx.engine, ctx.node.params, ctx.data
-    turns = engine.turns({"validate": True} if ctx.validating else {}, data.max_response_length, [])
+    engine = ctx.engine
+    turns = engine.turns({"validate": True} if ctx.validating else {}, ctx.data.max_response_length, [])
     ranks = _TensorParallel.of(engine, ctx.rank) if engine.tp > 1 else None
     if ranks is not None and not ranks.first:
         engine_link.follow(turns, ranks.hear)
@@ -91,6 +91,8 @@ def run(ctx: Any, samples: list[dict], n: int) -> Finished:
 
 
 def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finished:
+    """The agents' process (started, or kept from the last rollout) runs the episodes; this thread serves
+    their turns."""
     engine, p, data = ctx.engine, ctx.node.params, ctx.data
     node = (ctx.node.id, engine.model_path)
     process = _PROCESSES.get(node)

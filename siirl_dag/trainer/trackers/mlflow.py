@@ -1,9 +1,9 @@
-"""MLflow: a run in experiment trainer.project_name named trainer.experiment_name, in the tracking
-server of MLFLOW_TRACKING_URI, or else a local store in the run's output folder (outputs/<project>/
-<experiment>/mlflow: an SQLite database and an artifact folder; `mlflow ui --backend-store-uri
-sqlite:///.../mlflow.db` shows it). The resolved configuration goes in as the run's parameters, the
-YAML and the resolved configuration as artifacts (config/), validation samples as table artifacts
-(val_generations/step_N.json). A resume continues the run it recorded."""
+"""MLflow: a run named trainer.experiment_name in experiment trainer.project_name (MLFLOW_EXPERIMENT_NAME,
+where set, names it), in the tracking server of MLFLOW_TRACKING_URI, or else a local store in the run's
+output folder (outputs/<project>/<experiment>/mlflow: an SQLite database and an artifact folder;
+`mlflow ui --backend-store-uri sqlite:///.../mlflow.db` shows it). The resolved configuration goes in
+as the run's parameters, the YAML and the resolved configuration as artifacts (config/), validation
+samples as table artifacts (val_generations/step_N.json). A resume continues the run it recorded."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ class MLflow(Tracker):
         previous = run.previous if run.resumed and run.previous.get("tracking_uri") == uri else {}
         self.run_id = self._continued(previous.get("run_id"))
         if self.run_id is None:
-            found = self.client.get_experiment_by_name(run.project)
-            experiment = found.experiment_id if found else self.client.create_experiment(run.project, artifacts)
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or run.project
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name, artifacts)
             self.run_id = self.client.create_run(experiment, run_name=run.experiment,
                                                  tags={"siirl_dag.pipeline": str(run.pipeline_file)}).info.run_id
         self._log_config(run)

@@ -1,10 +1,12 @@
-"""Weights & Biases: a run in project trainer.project_name named trainer.experiment_name. Offline
-(files under outputs/<project>/<experiment>/wandb, `wandb sync` uploads them) unless an API key is
-set (WANDB_API_KEY, or `wandb login`); WANDB_MODE, where set, decides. The training step is the x axis
-of every chart (`training/global_step`: W&B's own step only increases, so a run resumed from an
-earlier checkpoint than it logged would lose steps on it). The resolved configuration is the run's
-config, the YAML and the configuration are files of the run; validation samples are a table
-(`val/generations`, every sample logged so far). A resume continues the run it recorded."""
+"""Weights & Biases: a run in project trainer.project_name named trainer.experiment_name, its files
+under the run's output folder (outputs/<project>/<experiment>/wandb); W&B's own variables, where set,
+come first: WANDB_PROJECT, WANDB_NAME, WANDB_DIR (the run's files under $WANDB_DIR/wandb). Offline
+(`wandb sync` uploads the files) unless an API key is set (WANDB_API_KEY, or `wandb login`); WANDB_MODE,
+where set, decides. The training step is the x axis of every chart (`training/global_step`: W&B's own
+step only increases, so a run resumed from an earlier checkpoint than it logged would lose steps on
+it). The resolved configuration is the run's config, the YAML and the configuration are files of the
+run; validation samples are a table (`val/generations`, every sample logged so far). A resume
+continues the run it recorded."""
 
 from __future__ import annotations
 
@@ -51,8 +53,11 @@ class WandB(Tracker):
         run_id = run.previous.get("id") if run.resumed else None
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_save_requirements=False,
                                   disable_git=True)
-        self.wb = wandb.init(project=run.project, name=run.experiment, id=run_id or _new_id(),
-                             resume="allow" if run_id else None, dir=str(folder), mode=mode(), settings=settings)
+        # W&B's own variables first (wandb.init's arguments would override them), read as the run starts
+        self.wb = wandb.init(project=os.environ.get("WANDB_PROJECT") or run.project,
+                             name=os.environ.get("WANDB_NAME") or run.experiment,
+                             dir=os.environ.get("WANDB_DIR") or str(folder), id=run_id or _new_id(),
+                             resume="allow" if run_id else None, mode=mode(), settings=settings)
         self.wb.config.update(run.config, allow_val_change=True)
         self.wb.define_metric(STEP)
         self.wb.define_metric("*", step_metric=STEP)
@@ -63,7 +68,7 @@ class WandB(Tracker):
         self.samples: list[list] = []
 
     def record(self) -> dict:
-        return {"id": self.wb.id, "project": self.run.project}
+        return {"id": self.wb.id, "project": self.wb.project}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.wb.log({**metrics, STEP: step})

@@ -179,6 +179,20 @@ def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):
     assert not _rank_workers() - before, "the workers of a failed start must be gone"
 
 
+def test_a_ray_that_never_starts_ends_the_process_with_a_message():
+    """ray.init waiting forever (as it does when Ray's processes die while they start) ends the process
+    after RAY_START_S with one line saying so, rather than hanging the run."""
+    import subprocess
+    import sys
+
+    code = ("import time, ray\nfrom siirl_dag.runtime import backends\nbackends.RAY_START_S = 1\n"
+            "ray.init = lambda **kwargs: time.sleep(60)\nbackends.init_ray(num_cpus=1)\nprint('returned')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 1 and "returned" not in res.stdout, res
+    assert "[runtime] Ray did not start within 1 s" in res.stderr, res.stderr
+
+
 @pytest.mark.engines
 @pytest.mark.usefixtures("ray_session")
 def test_rollouts_get_their_trainers_weights_at_start_and_a_failed_sync_names_the_pair(tmp_path):

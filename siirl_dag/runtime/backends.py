@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 from typing import Any, Callable
 
 from siirl_dag.runtime import machines
@@ -71,6 +72,9 @@ class LocalBackend:
 
 
 FREE_OBJECTS_PERIOD_MS = 10
+# a Ray starts in seconds, a loaded machine's in a minute; past this it is stuck (seen when the machine ran
+# out of memory as Ray's processes started: ray.init then waits for them forever)
+RAY_START_S = 300
 
 
 def unreachable(address: str) -> str | None:
@@ -109,7 +113,21 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, log_to_dri
                       # land on untouched shared memory and pay its page faults (up to 10x
                       # a warm copy on a VM); freed promptly, the store reuses warm pages
                       _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
-    ray.init(**kwargs)
+    stuck = threading.Timer(RAY_START_S, _stuck_starting)
+    stuck.daemon = True
+    stuck.start()
+    try:
+        ray.init(**kwargs)
+    finally:
+        stuck.cancel()
+
+
+def _stuck_starting() -> None:
+    """ray.init has not returned (it waits in Ray's C++ core, which nothing in Python can interrupt): say
+    so and end this process, which takes the Ray it was starting with it (reaper.guard)."""
+    print(f"[runtime] Ray did not start within {RAY_START_S} s: its processes died as they started (out of memory? "
+          "see the raylet's log, /tmp/ray/session_latest/logs/raylet.out); stopping", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def stop_ray() -> None:

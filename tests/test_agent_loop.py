@@ -229,7 +229,12 @@ def test_late_sandboxes_do_not_outlive_their_timeout_when_the_pool_is_full(token
     done = agent_loop.run(engine, [tokenizer.encode("Q:")] * 3, 1, {"python": resolve_tool("python")}, limits,
                           tokenizer, None)
     assert time.monotonic() - began < 3 and [t.tool_errors for t in done] == [1, 1, 1]
-    time.sleep(1.0)  # the running sandbox stops at its deadline; the queued ones never start
+    # the running sandbox stops at its deadline (its end can lag on a loaded machine); the queued ones never start
+    pids = lambda: {entry.split(":")[0] for entry in sandbox_processes()}  # noqa: E731
+    at_return, until = pids(), time.monotonic() + 10
+    while (left := pids()) and time.monotonic() < until:
+        assert left <= at_return, "a queued sandbox started after the rollout returned"
+        time.sleep(0.05)
     assert not sandbox_processes()
 
 

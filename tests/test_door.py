@@ -279,3 +279,9 @@ def test_help_lists_every_sub_command(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(c in out.splitlines()[2] for c in ("run", "validate", "plan", "visualize", "import"))
+
+
+def test_a_value_no_form_of_a_key_takes_is_told_every_form(tmp_path):
+    """A key written as one of several types (a file or a list of files) names them all, not the first."""
+    (problem,) = refused(write(tmp_path), ["data.train_files=3"])
+    assert problem.path == ("data", "train_files") and problem.message.startswith("3 is an integer; expected string or array")

@@ -112,6 +112,15 @@ def _fitting_branch(error: ValidationError) -> list[ValidationError]:
     return fitting[0] if len(fitting) == 1 else [best_match(error.context)]
 
 
+def _types_of_branches(error: ValidationError) -> list[str]:
+    """The types the branches of a oneOf/anyOf take, where each refused the instance for its type; else []."""
+    refused = {e.relative_schema_path[0] for e in error.context if e.validator == "type" and len(e.relative_schema_path) == 2}
+    if len(refused) < len(error.validator_value):
+        return []
+    types = [b["type"] for b in error.validator_value]
+    return list(dict.fromkeys(x for ty in types for x in ([ty] if isinstance(ty, str) else ty)))
+
+
 _MIN_SIZES = {"minItems": "item(s)", "minProperties": "key(s)", "minLength": "character(s)"}
 _BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
 
@@ -120,6 +129,10 @@ def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
     path = base + tuple(error.absolute_path)
     kw, schema, inst = error.validator, error.schema, error.instance
     if kw in ("oneOf", "anyOf") and error.context:
+        wanted = _types_of_branches(error)
+        if wanted:  # no branch takes a value of this type: all of them said, not best_match's one
+            yield Problem(path, _type_problem(inst, " or ".join(wanted)))
+            return
         for sub in _fitting_branch(error):
             yield from _problems_from(sub, base)
         return

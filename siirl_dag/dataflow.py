@@ -37,12 +37,27 @@ def _ancestors_latest_first(pipe, node: str) -> list[str]:
     return [n for n in reversed(pipe.nodes) if n in ancestors]
 
 
+def named(pipe, node: str, key: str) -> tuple[str, str] | None:
+    """Where `node` says `key` comes from: its binding in `inputs`, else the first of its `from` nodes
+    holding the key; None where it says nothing."""
+    spec = pipe.nodes[node]
+    return spec.inputs.get(key) or next(((src, key) for src in spec.reads_from if key in holds(pipe, src)), None)
+
+
 def producer(pipe, node: str, key: str) -> tuple[str, str]:
     """(the node whose output `node` reads `key` from, the key's name there); SOURCE: the data loader."""
-    bound = pipe.nodes[node].inputs.get(key)
-    if bound:
-        return bound
-    return next(((up, key) for up in _ancestors_latest_first(pipe, node) if key in holds(pipe, up)), (SOURCE, key))
+    return named(pipe, node, key) or next(
+        ((up, key) for up in _ancestors_latest_first(pipe, node) if key in holds(pipe, up)), (SOURCE, key))
+
+
+def read_via_from(pipe, node: str) -> dict[str, list[str]]:
+    """Per `from` node of `node`, the consumed keys read from it (the ones `inputs` does not bind)."""
+    spec, out = pipe.nodes[node], {src: [] for src in pipe.nodes[node].reads_from}
+    for key in pipe.consumes(node):
+        found = named(pipe, node, key)
+        if found and key not in spec.inputs:
+            out[found[0]].append(key)
+    return out
 
 
 def reads(pipe) -> dict[str, dict[str, tuple[str, str]]]:
@@ -58,9 +73,24 @@ def reads(pipe) -> dict[str, dict[str, tuple[str, str]]]:
     return out
 
 
+def _from_problems(pipe, n: str) -> list[Problem]:
+    """Each `from` node holds a key `n` consumes (else it reads nothing there: a slip)."""
+    problems, consumed = [], pipe.consumes(n)
+    entries = pipe.nodes[n].reads_from
+    for j, src in enumerate(entries):
+        if set(consumed) & holds(pipe, src):
+            continue
+        where = pipe.node_path(n) + (("from",) if len(entries) == 1 else ("from", j))
+        makers = [m for m in _ancestors_latest_first(pipe, n) if set(consumed) & set(pipe.produces(m))]
+        instead = f"; did you mean from: {makers[0]}?" if makers else ""
+        problems.append(Problem(where, f"'{src}' produces none of the keys '{n}' reads ({', '.join(consumed) or 'none'})"
+                                       f"{instead}; expected a node whose output holds one of them"))
+    return problems
+
+
 def binding_problems(pipe) -> list[Problem]:
-    """Every binding names a key its node consumes and its producer holds; every unbound consumed key
-    has exactly one producer upstream (or comes from the data loader)."""
+    """Every binding names a key its node consumes and its producer holds, every `from` node holds a key
+    it reads; every key neither names has exactly one producer upstream (or comes from the data loader)."""
     problems = []
     producers_of: dict[str, list[str]] = {}
     for n in pipe.nodes:
@@ -68,6 +98,7 @@ def binding_problems(pipe) -> list[Problem]:
             producers_of.setdefault(key, []).append(n)
     for n, spec in pipe.nodes.items():
         base, consumed, ancestors = pipe.node_path(n), pipe.consumes(n), nx.ancestors(pipe.graph, n)
+        problems += _from_problems(pipe, n)
         for key, (src, src_key) in spec.inputs.items():
             if key not in consumed:
                 problems.append(Problem(base + ("inputs", key), f"'{n}' does not consume '{key}'{hint(key, consumed)}; "
@@ -77,13 +108,15 @@ def binding_problems(pipe) -> list[Problem]:
                 problems.append(Problem(base + ("inputs", key), f"'{src}' does not produce '{src_key}'{hint(src_key, held)}; "
                                         f"expected one of: {', '.join(held)}"))
         for key in consumed:
-            if key in spec.inputs:
+            if named(pipe, n, key):
                 continue
             upstream = [p for p in producers_of.get(key, []) if p in ancestors]
             if len(upstream) > 1:
                 fix = "inputs: {" + f"{key}: {upstream[-1]}.{key}" + "}"
                 problems.append(Problem(base, f"'{n}' consumes '{key}', produced by several upstream nodes "
-                                        f"({', '.join(sorted(upstream))}); expected exactly one: say which with `{fix}`"))
+                                        f"({', '.join(sorted(upstream))}); expected exactly one: say which with "
+                                        f"`from: {upstream[-1]}` (every key it reads that {upstream[-1]} holds) "
+                                        f"or `{fix}`"))
             elif not upstream and key not in SOURCE_KEYS:
                 elsewhere = [p for p in producers_of.get(key, []) if p != n]
                 fix = (f"add '{elsewhere[0]}' to its deps, or bind it: inputs: {{{key}: {elsewhere[0]}.{key}}}"

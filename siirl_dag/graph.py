@@ -28,11 +28,18 @@ def parse_binding(value) -> tuple[str, str] | None:
 
 
 EXPECTED_BINDING = "expected NODE.KEY: the id of an upstream node, a dot, a key it produces (e.g. rollout.responses)"
+EXPECTED_FROM = "expected the id of another node, whose output holds keys this node reads (e.g. from: rollout)"
+
+
+def read_from(node: dict) -> list[tuple[str, tuple]]:
+    """A raw node's `from` entries, each with its path under the node: `from: a` or `from: [a, b]`."""
+    value = node.get("from", [])
+    return [(value, ("from",))] if isinstance(value, str) else [(v, ("from", j)) for j, v in enumerate(value)]
 
 
 def build_graph(nodes: list[dict]) -> tuple[nx.DiGraph, list[Problem]]:
     """Graph of dep -> node edges from raw node dicts (ids already schema-checked); a binding in
-    `inputs` (KEY: NODE.KEY) is a dependency on NODE too."""
+    `inputs` (KEY: NODE.KEY) and a `from: NODE` are dependencies on NODE too."""
     problems: list[Problem] = []
     graph = nx.DiGraph()
     for i, node in enumerate(nodes):
@@ -49,6 +56,15 @@ def build_graph(nodes: list[dict]) -> tuple[nx.DiGraph, list[Problem]]:
                 problems.append(Problem(("nodes", i, "deps", j), f"unknown dependency '{dep}'{hint(dep, graph.nodes)}; expected the id of another node"))
             else:
                 graph.add_edge(dep, node["id"])
+        for src, where in read_from(node):
+            if src == node["id"]:
+                problems.append(Problem(("nodes", i) + where, f"node '{src}' reads from itself; {EXPECTED_FROM}"))
+            elif src not in graph:
+                problems.append(Problem(("nodes", i) + where, f"unknown node '{src}' in from{hint(src, graph.nodes)}; "
+                                                              f"{EXPECTED_FROM}"))
+            else:
+                graph.add_edge(src, node["id"])
+                graph.edges[src, node["id"]]["from"] = where
         for key, value in node.get("inputs", {}).items():
             where, bound = ("nodes", i, "inputs", key), parse_binding(value)
             if bound is None:
@@ -73,12 +89,13 @@ def check_structure(graph: nx.DiGraph) -> list[Problem]:
         ordered = cycle[k:] + cycle[:k]
         names = " -> ".join(ordered + [ordered[0]])
         into = graph.edges[ordered[-1], start]  # the edge that closes the loop at `start`
-        where = ("inputs", into["bound"][0]) if "bound" in into else ("deps",)
-        bound = "; ".join(f"'{b}' binds {a}.{k}" for a, b in zip(ordered, ordered[1:] + ordered[:1])
-                          for k in graph.edges[a, b].get("bound", []))
+        where = ("inputs", into["bound"][0]) if "bound" in into else into.get("from", ("deps",))
+        pairs = list(zip(ordered, ordered[1:] + ordered[:1]))
+        bound = "; ".join([f"'{b}' binds {a}.{k}" for a, b in pairs for k in graph.edges[a, b].get("bound", [])]
+                          + [f"'{b}' reads from {a}" for a, b in pairs if "from" in graph.edges[a, b]])
         problems.append(Problem(("nodes", graph.nodes[start]["index"]) + where,
                                 f"dependency cycle {names}{f' ({bound})' if bound else ''}; the graph must be acyclic "
-                                "(weights flow back with `weights_from`, not deps or inputs)"))
+                                "(weights flow back with `weights_from`, not deps, inputs or from)"))
     sources = [n for n in graph if graph.in_degree(n) == 0]
     reached = set(sources).union(*(nx.descendants(graph, s) for s in sources)) if sources else set()
     for n in graph:
@@ -133,10 +150,12 @@ def phase_problems(pipe) -> list[Problem]:
                         f"expected no training node upstream of '{filters[0]}'") for t in trainers]
         first = {filters[0]} | nx.ancestors(pipe.graph, filters[0])
         for n in [m for m in pipe.nodes if m not in first]:  # the kept rows reach the rest as one batch: a key by its name alone
-            for key, (src, src_key) in pipe.nodes[n].inputs.items():
+            spec = pipe.nodes[n]
+            for key, (src, src_key) in pipe.reads[n].items():
+                where = ("inputs", key) if key in spec.inputs else ("from",) if src in spec.reads_from else None
                 others = sorted(u for u in first - {src} if src_key in pipe.produces(u))
-                if src in first and others:
-                    out.append(Problem(pipe.node_path(n) + ("inputs", key), f"'{src}' runs before '{filters[0]}', which "
+                if where and src in first and others:
+                    out.append(Problem(pipe.node_path(n) + where, f"'{src}' runs before '{filters[0]}', which "
                                        f"hands its kept rows on as one batch, where '{src_key}' of '{src}' and of "
                                        f"{', '.join(others)} cannot both be kept; expected one producer of '{src_key}' "
                                        f"before '{filters[0]}'"))

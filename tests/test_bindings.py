@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from pipeline_files import errors, line_of, load
+from pipeline_files import errors, line_of, load, messages
 from siirl_dag.runtime.batch import Batch
 
 BRANCH = """\
@@ -191,3 +191,74 @@ def test_a_metric_two_nodes_write_is_never_lost():
                               "reviewer/critic/score/mean": 0.1}
     assert said == ["[metrics] 'solver/critic/score/mean' is written by 'reward' and 'judge'; 'judge's is logged as "
                     "'solver/judge/critic/score/mean'"]
+
+
+def test_from_a_node_reads_every_key_it_holds_there_and_depends_on_it(tmp_path):
+    pipe = load(tmp_path, two_branches("  - {id: both, kind: reward, deps: [rollout], from: rollout_b}\n"),
+                ["trainer.val_score_key=[reward.token_level_scores, both.token_level_scores]"])
+    from siirl_dag.dataflow import producer, read_via_from
+    from siirl_dag.visualize.diagram import edge_keys
+
+    assert pipe.nodes["both"].deps == ("rollout", "rollout_b") and pipe.graph.has_edge("rollout_b", "both")
+    assert {k: producer(pipe, "both", k)[0] for k in pipe.consumes("both")} == dict.fromkeys(pipe.consumes("both"), "rollout_b")
+    assert pipe.reads["both"]["uid"] == ("rollout_b", "uid")  # the loader's keys too, in rollout_b's rows
+    assert read_via_from(pipe, "both") == {"rollout_b": list(pipe.consumes("both"))}
+    assert edge_keys(pipe, "rollout_b", "both")[0] == "from: responses" and not edge_keys(pipe, "rollout", "both")
+    assert pipe.metric_prefix("both") == "policy_b/"
+
+
+def test_inputs_win_over_from_and_earlier_from_entries_win_over_later(tmp_path):
+    from siirl_dag.dataflow import producer
+
+    extra = ("  - {id: both, kind: reward, from: [rollout_b, rollout], inputs: {responses: rollout.responses}}\n"
+             "  - {id: first, kind: reward, from: [rollout, rollout_b]}\n")
+    pipe = load(tmp_path, two_branches(extra), ["trainer.val_score_key=[reward.token_level_scores, reward_b.token_level_scores]"])
+    assert producer(pipe, "both", "responses") == ("rollout", "responses")
+    assert producer(pipe, "both", "response_mask") == ("rollout_b", "response_mask")
+    assert producer(pipe, "first", "response_mask") == ("rollout", "response_mask")
+
+
+def test_two_producers_and_no_binding_offer_the_from_line_too(tmp_path):
+    msg = messages(tmp_path, two_branches("  - {id: both, kind: reward, deps: [rollout, rollout_b]}\n"))
+    assert "say which with `from: rollout_b` (every key it reads that rollout_b holds) or " \
+           "`inputs: {responses: rollout_b.responses}`" in msg
+
+
+@pytest.mark.parametrize("value, needle, message", [
+    ("rollout_c", "from: rollout_c", "unknown node 'rollout_c' in from; did you mean 'rollout_b'?"),
+    ("both", "from: both", "node 'both' reads from itself"),
+    ("reward_b", "from: reward_b", "'reward_b' produces none of the keys 'both' reads (responses, response_mask"),
+    ("[rollout, reward_b]", "- reward_b", "'reward_b' produces none of the keys 'both' reads"),
+])
+def test_a_bad_from_is_named_at_its_line(tmp_path, value, needle, message):
+    written = value if not value.startswith("[") else "\n" + "".join(f"      - {v}\n" for v in value[1:-1].split(", "))
+    text = two_branches(f"  - id: both\n    kind: reward\n    deps: [rollout, rollout_b]\n    from: {written.rstrip()}\n")
+    found = errors(tmp_path, text)
+    where = f"{tmp_path / 'p.yaml'}:{line_of(text, needle)}:"
+    assert any(str(p).startswith(where) and message in str(p) for p in found), [str(p) for p in found]
+
+
+def test_a_from_that_produces_nothing_read_suggests_one_that_does(tmp_path):
+    msg = messages(tmp_path, two_branches("  - {id: both, kind: reward, deps: [rollout_b], from: reward_b}\n"))
+    assert "did you mean from: rollout_b?" in msg
+
+
+def test_a_from_that_closes_a_loop_is_a_named_cycle_at_its_line(tmp_path):
+    text = two_branches().replace("{id: rollout_b, kind: rollout,", "{id: rollout_b, kind: rollout, from: update_b,")
+    cycle = next(str(p) for p in errors(tmp_path, text) if "dependency cycle" in str(p))
+    assert cycle.startswith(f"{tmp_path / 'p.yaml'}:{line_of(text, 'from: update_b')}:")
+    assert "'rollout_b' reads from update_b" in cycle and "not deps, inputs or from" in cycle
+
+
+def test_plan_prints_what_a_node_reads_through_from(tmp_path, capsys):
+    from siirl_dag.main import main
+
+    f = tmp_path / "p.yaml"
+    f.write_text(two_branches("  - {id: both, kind: reward, from: rollout_b, inputs: {response_mask: rollout_b.response_mask}}\n",
+                              trainer="{total_steps: 2, val_score_key: [reward.token_level_scores, reward_b.token_level_scores]}"))
+    assert main(["plan", str(f)]) == 0
+    assert "reads from rollout_b: responses, prompt_mask, data_source, ground_truth; " \
+           "reads response_mask <- rollout_b.response_mask" in capsys.readouterr().out
+    assert main(["plan", str(f), "--json"]) == 0
+    read = json.loads(capsys.readouterr().out)["nodes"]["both"]["from"]["rollout_b"]
+    assert "responses" in read and "response_mask" not in read

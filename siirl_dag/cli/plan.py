@@ -6,6 +6,7 @@ import json
 import sys
 
 from siirl_dag.config import load_pipeline, schedule
+from siirl_dag.dataflow import read_via_from
 from siirl_dag.errors import ConfigError
 from siirl_dag.graph import phases_of
 from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
@@ -51,10 +52,12 @@ def _routes(pipe, node) -> str:
 
 
 def _reads(pipe, node) -> str:
-    """Its bindings, and the policy its metrics go under when several train."""
+    """What it reads from the nodes it names (`from`, then `inputs`), and the policy its metrics go under
+    when several train."""
+    via = "".join(f"; reads from {src}: {', '.join(keys)}" for src, keys in read_via_from(pipe, node.id).items())
     bound = ", ".join(f"{k} <- {src}.{key}" for k, (src, key) in node.inputs.items())
     policy = pipe.metric_prefix(node.id)
-    return (f"; reads {bound}" if bound else "") + (f"; metrics under '{policy}'" if policy else "")
+    return via + (f"; reads {bound}" if bound else "") + (f"; metrics under '{policy}'" if policy else "")
 
 
 def main(args) -> int:
@@ -70,6 +73,7 @@ def main(args) -> int:
         print(json.dumps({"valid": True, "plan": pipe.plan.to_json() if pipe.plan else None,
                           "nodes": {n.id: {"strategy": n.strategy, "mesh": n.mesh, "serves": pipe.serves.get(n.id),
                                            "does": _does(pipe, n),
+                                           "from": read_via_from(pipe, n.id),
                                            "inputs": {k: f"{src}.{key}" for k, (src, key) in n.inputs.items()}}
                                     for n in pipe.nodes.values()},
                           "policies": list(pipe.policies),

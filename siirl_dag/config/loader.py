@@ -18,7 +18,7 @@ from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, 
 from siirl_dag.config.yaml_loader import load_yaml, locate
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag import dataflow
-from siirl_dag.graph import build_graph, check_structure, parse_binding, phase_problems, topological_order
+from siirl_dag.graph import build_graph, check_structure, parse_binding, phase_problems, read_from, topological_order
 from siirl_dag.placement import ClusterSpec, MeshRequest, check_backend_supported, parse_allocation
 from siirl_dag.placement import place as place_meshes
 from siirl_dag.placement.memory import plan_memory
@@ -355,9 +355,11 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
     for node_id in topological_order(graph):
         i, raw = raw_nodes[node_id]
         bound = {k: parse_binding(v) for k, v in raw.get("inputs", {}).items()}
-        deps = tuple(dict.fromkeys([*raw["deps"], *(src for src, _ in bound.values())]))  # a binding is a dependency
+        named = tuple(src for src, _ in read_from(raw))
+        deps = tuple(dict.fromkeys([*raw["deps"], *named, *(src for src, _ in bound.values())]))  # each a dependency
         nodes[node_id] = NodeSpec(node_id, raw["kind"], i, deps, raw.get("strategy"), raw.get("mesh"), raw.get("model"),
-                                  raw.get("options", {}), raw["params"], raw.get("weights_from"), raw["retry_limit"], bound)
+                                  raw.get("options", {}), raw["params"], raw.get("weights_from"), raw["retry_limit"], bound,
+                                  named)
     data = doc["data"]
     files = lambda v: tuple([v] if isinstance(v, str) else v or [])  # noqa: E731
     pipe = Pipeline(

@@ -132,7 +132,7 @@ class NodeSpec:
     id: str
     kind: str
     index: int  # position in the YAML list
-    deps: tuple[str, ...] = ()  # the nodes it runs after: its `deps` and the nodes its `inputs` bind
+    deps: tuple[str, ...] = ()  # the nodes it runs after: its `deps`, `from` and the nodes its `inputs` bind
     strategy: str | None = None
     mesh: str | None = None
     model: str | None = None
@@ -141,6 +141,7 @@ class NodeSpec:
     weights_from: str | None = None
     retry_limit: int = 0
     inputs: dict = field(default_factory=dict)  # consumed key -> (node, its key there): `inputs: {KEY: NODE.KEY}`
+    reads_from: tuple[str, ...] = ()  # `from: NODE` or a list: what those nodes hold is read from them, in order
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,8 @@ class Pipeline:
             "meshes": {m.name: {"alloc": m.alloc, "devices": list(m.devices) if m.devices else None,
                                 "colocate_with": m.colocate_with} for m in self.meshes.values()},
             "nodes": [{"id": n.id, "kind": n.kind, "deps": list(n.deps), "strategy": n.strategy, "mesh": n.mesh,
-                       "inputs": {k: ".".join(v) for k, v in n.inputs.items()}, "serves": self.serves.get(n.id),
+                       "inputs": {k: ".".join(v) for k, v in n.inputs.items()}, "from": list(n.reads_from),
+                       "serves": self.serves.get(n.id),
                        "model": n.model, "weights_from": n.weights_from, "consumes": list(self.consumes(n.id)),
                        "produces": list(self.produces(n.id)), "options": n.options, "params": n.params}
                       for n in self.nodes.values()],

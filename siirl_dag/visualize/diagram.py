@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from siirl_dag.config import Pipeline
-from siirl_dag.dataflow import SOURCE_KEYS, producer
+from siirl_dag.dataflow import SOURCE_KEYS, producer, read_via_from
 from siirl_dag.graph import phases_of
 from siirl_dag.placement import Component, parse_allocation
 
@@ -61,11 +61,12 @@ def strategies_used(pipe: Pipeline) -> list[Style]:
 
 def edge_keys(pipe: Pipeline, src: str, dst: str) -> list[str]:
     """Keys that flow along src -> dst (what dst reads from src, dataflow.producer); a key bound in
-    dst's `inputs` shows its binding: `key ← src.key`."""
-    keys = []
+    dst's `inputs` shows its binding: `key ← src.key`; the keys of a `from: src` come first, after 'from:'."""
+    via = read_via_from(pipe, dst).get(src, [])
+    keys = [f"from: {key}" if i == 0 else key for i, key in enumerate(via)]
     for key in pipe.consumes(dst):
         node, there = producer(pipe, dst, key)
-        if node == src:
+        if node == src and key not in via:
             keys.append(f"{key} ← {src}.{there}" if key in pipe.nodes[dst].inputs else key)
     return keys
 

@@ -262,3 +262,28 @@ def test_plan_prints_what_a_node_reads_through_from(tmp_path, capsys):
     assert main(["plan", str(f), "--json"]) == 0
     read = json.loads(capsys.readouterr().out)["nodes"]["both"]["from"]["rollout_b"]
     assert "responses" in read and "response_mask" not in read
+
+
+def test_from_a_node_before_the_filter_where_another_holds_the_key_is_refused(tmp_path):
+    """The filter hands its kept rows on as one batch: past it, a key has one producer before it."""
+    text = textwrap.dedent("""\
+        name: two
+        cluster: {nodes: 1, devices_per_node: 3, device: cpu}
+        models: {policy: {path: no/such/model, dtype: float32}, reviewer: {path: no/such/model, dtype: float32}}
+        data: {train_files: train.parquet, train_batch_size: 8}
+        meshes: {gen: vllm:d1, gen_b: vllm:d1, train: megatron:d1}
+        nodes:
+          - {id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: update, options: {n: 4}}
+          - {id: review, kind: rollout, from: rollout, mesh: gen_b, model: reviewer, options: {n: 1},
+             params: {prompt_template: "{prompt}{response} F:"}}
+          - {id: reward, kind: reward, from: review}
+          - {id: filter, kind: filter_groups, deps: [reward], params: {metric: token_level_scores}}
+          - {id: advantage, kind: advantage, deps: [filter],
+             from: rollout}
+          - {id: update, kind: actor_update, from: [advantage, rollout], mesh: train, model: policy,
+             params: {mini_batch_size: 8, old_logprobs: update}}
+        trainer: {total_steps: 2}
+        """)
+    found = [str(p) for p in errors(tmp_path, text)]
+    assert any(p.startswith(f"{tmp_path / 'p.yaml'}:{line_of(text, 'from: rollout}')}:") and
+               "'rollout' runs before 'filter'" in p and "'response_mask' of 'rollout' and of review" in p for p in found), found

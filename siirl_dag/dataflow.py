@@ -1,7 +1,8 @@
 """What each node reads, and from whom, decided once at load.
 
-- The producer of every key a node consumes: its binding in `inputs` (KEY: NODE.KEY), else the
-  latest upstream node holding the key, else the data loader (`SOURCE`). A node that expands rows
+- The producer of every key a node consumes: its binding in `inputs` (KEY: NODE.KEY), else the first
+  of its `from` nodes holding the key, else the latest upstream node holding it, else the data loader
+  (`SOURCE`). A node that expands rows
   (n samples per prompt) holds its inputs too, re-emitted in its own row space.
 - The rows per prompt each node sees: the producers of its inputs must agree (rows stay aligned
   across branches and agents), and an expanding node multiplies them by its n.

@@ -7,6 +7,7 @@ per-rank shards, and each consumer rank fetches the row ranges it needs (`reshar
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import replace
 from typing import Callable, Iterable
@@ -20,7 +21,7 @@ from siirl_dag.runtime import machines
 from siirl_dag.runtime.backends import LocalBackend, RayBackend
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.recovery import Recovery
-from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, pieces
+from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, split
 from siirl_dag.runtime.scheduler import Scheduler
 from siirl_dag.runtime.step import COMPUTE, Job, NodeOutput, Running, Span, StepResult
 from siirl_dag.runtime.trace import Trace
@@ -85,6 +86,10 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - model loading failed on some rank
             cause = getattr(exc, "cause", None) or exc
             raise PipelineError(f"building the engines failed: {cause}") from None
+        # the start-up's objects (the plan, every rank's roles and handles) out of the collector's reach: a
+        # full collection in a step then walks what the steps made, not what grows with the rank count
+        gc.collect()
+        gc.freeze()
         if self.on_built:
             self.on_built(self)
         # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
@@ -201,14 +206,18 @@ class Runtime:
                      + job.part * 104_729) % (2**31)
         src = pipe.nodes[node_id].weights_from
         min_version = max(0, self.versions.trainer[src] - pipe.runtime.staleness) if src else 0
-        calls, ranks = [], []
-        for worker, role in roles:
-            lo, hi = ranges[role.dp_rank]
-            refs, inputs = [], []  # the shards go as top-level arguments; inputs index into them
+        plans = {u: split(outputs[u].shards, ranges) for u in owners}  # per data-parallel rank, its pieces
+        args = []  # per data-parallel rank: inputs (indexing the shards), then the shards as top-level arguments
+        for dp_rank in range(dp):
+            refs, inputs = [], []
             for u, keys in owners.items():
-                parts = pieces(outputs[u].shards, lo, hi)
+                parts = plans[u][dp_rank]
                 inputs.append((keys, [(len(refs) + i, a, b) for i, (_, a, b) in enumerate(parts)]))
                 refs += [ref for ref, _, _ in parts]
+            args.append((inputs, refs))
+        calls, ranks = [], []
+        for worker, role in roles:
+            inputs, refs = args[role.dp_rank]
             calls.append(self.backend.call(worker, RankWorker.run, node_id, inputs, step, validating,
                                            (seed_base + role.dp_rank) % (2**31), min_version, segment_tokens, resuming,
                                            *refs, num_returns=2))

@@ -49,11 +49,19 @@ def balanced_ranges(tokens: Sequence[int], parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def pieces(shards: Sequence[Shard], start: int, stop: int) -> list[tuple[Any, int, int]]:
-    """The (ref, local_start, local_stop) pieces of `shards` that cover rows [start, stop)."""
-    out = []
-    for s in shards:
-        lo, hi = max(start, s.start), min(stop, s.stop)
-        if lo < hi:
-            out.append((s.ref, lo - s.start, hi - s.start))
+def split(shards: Sequence[Shard], ranges: Sequence[tuple[int, int]]) -> list[list[tuple[Any, int, int]]]:
+    """Per range of `ranges` (contiguous, in row order), the (ref, local_start, local_stop) pieces of
+    `shards` (in row order) that cover it: one walk over both, so a node's plan costs its producer's
+    shards plus its own ranks, not their product."""
+    out, i = [], 0
+    for start, stop in ranges:
+        while i < len(shards) and shards[i].stop <= start:
+            i += 1
+        got, j = [], i
+        while j < len(shards) and shards[j].start < stop:
+            lo, hi = max(start, shards[j].start), min(stop, shards[j].stop)
+            if lo < hi:
+                got.append((shards[j].ref, lo - shards[j].start, hi - shards[j].start))
+            j += 1
+        out.append(got)
     return out

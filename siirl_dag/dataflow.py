@@ -129,7 +129,7 @@ def binding_problems(pipe) -> list[Problem]:
 def rows_per_prompt(pipe) -> tuple[dict[str, int], list[Problem]]:
     """Rows per prompt of each node's input, and the nodes whose inputs do not align."""
     out, seen, problems = {SOURCE: 1}, {}, []
-    for n, spec in pipe.nodes.items():
+    for n in pipe.nodes:
         sources = {key: producer(pipe, n, key)[0] for key in pipe.consumes(n)}
         if not sources:  # it consumes nothing: the rows of its nearest upstream node
             nearest = next(iter(_ancestors_latest_first(pipe, n)), SOURCE)
@@ -142,8 +142,13 @@ def rows_per_prompt(pipe) -> tuple[dict[str, int], list[Problem]]:
                                     "expected one row space: a rollout that answers another's samples keeps their rows "
                                     "with n: 1, and bindings name nodes of the same rows"))
         seen[n] = max(sizes.values())
-        out[n] = seen[n] * (int(spec.options.get("n", 1)) if pipe.kinds[n].expands else 1)
+        out[n] = seen[n] * expansion(pipe, n)
     return seen, problems
+
+
+def expansion(pipe, node: str) -> int:
+    """Rows a node returns per row it reads: a kind that expands rows makes its `n` of each."""
+    return int(pipe.nodes[node].options.get("n", 1)) if pipe.kinds[node].expands else 1
 
 
 def policies(pipe) -> list[str]:

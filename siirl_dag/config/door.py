@@ -115,7 +115,8 @@ def _output_folders(pipe) -> list[tuple[tuple, Path, str]]:
 def run_problems(pipe, address: str | None = None) -> list[Problem]:
     """What a run needs of this machine, all at once (validate, which may plan for another machine, skips it)."""
     out, c = [], pipe.cluster
-    if c.device == "cuda" and not (address or pipe.runtime.address):  # an attached cluster brings its own GPUs
+    simulated = pipe.runtime.backend == "simulated"  # no device and no model behind its ranks
+    if c.device == "cuda" and not (address or pipe.runtime.address or simulated):  # an attached cluster brings its own GPUs
         found = cuda_devices()
         if not found:
             out.append(Problem(("cluster", "device"), "cuda, but this machine has no CUDA device (no NVIDIA driver, or "

@@ -394,7 +394,7 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
             if pipe.kinds[node.id].check:
                 problems += pipe.kinds[node.id].check(node, pipe)
         problems += phase_problems(pipe) + schedule.problems(pipe) + _token_problems(pipe) + door.problems(pipe)
-    problems += _model_problems(pipe, for_run) + (door.run_problems(pipe, address) if for_run else _data_warnings(pipe))
+    problems += _model_problems(pipe, for_run and pipe.runtime.backend != "simulated") + (door.run_problems(pipe, address) if for_run else _data_warnings(pipe))
     problems += tracker_problems(pipe.trainer.logger, for_run)  # trainer.logger's packages installed
     located(problems)
     if _errors(problems):

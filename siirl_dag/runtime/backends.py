@@ -1,7 +1,8 @@
-"""Where rank workers live: in this process (`local`) or as Ray actors pinned by placement groups (`ray`).
+"""Where rank workers live: in this process (`local`), as Ray actors pinned by placement groups (`ray`),
+or nowhere (`simulated`: handles answering in shape only, `runtime.simulated`).
 
-Both expose the same calls; the Ray one returns ObjectRefs and the local one plain values, so the
-driver's scheduling code is the same for both and their results are identical on the same seed.
+All expose the same calls; the Ray one returns ObjectRefs and the others finished calls, so the
+driver's scheduling code is the same for all and local and Ray results are identical on the same seed.
 A call names the worker's method itself (`backend.call(worker, RankWorker.run, ...)`), so a reader
 follows it with grep.
 """
@@ -29,8 +30,9 @@ class LocalBackend:
     """Everything in this process; for debugging and the smallest runs."""
 
     name = "local"
+    immediate = True  # a call has finished when it returns: nothing to wait for, outputs held by value
 
-    def __init__(self, pipeline, log_dir=None):
+    def __init__(self, pipeline, address: str | None = None, log_dir=None):
         self.pipeline, self.log_dir = pipeline, log_dir
 
     def start(self) -> None:
@@ -145,6 +147,7 @@ class RayBackend:
     """One Ray actor per rank, placed with one STRICT_PACK placement group per machine."""
 
     name = "ray"
+    immediate = False
 
     def __init__(self, pipeline, address: str | None = None, log_dir=None):
         self.pipeline, self.log_dir = pipeline, log_dir
@@ -240,3 +243,11 @@ class RayBackend:
         if self.started_ray:
             stop_ray()
             self.started_ray = False
+
+
+# runtime.backend -> its class ("module:Class"); a new backend is one module plus one line
+BACKENDS = {
+    "local": "siirl_dag.runtime.backends:LocalBackend",
+    "ray": "siirl_dag.runtime.backends:RayBackend",
+    "simulated": "siirl_dag.runtime.simulated:SimulatedBackend",
+}

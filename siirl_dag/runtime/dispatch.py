@@ -16,9 +16,10 @@ import networkx as nx
 
 from siirl_dag.errors import PipelineError
 from siirl_dag.dataflow import SOURCE, SOURCE_KEYS
+from siirl_dag.refs import import_ref
 from siirl_dag.registry import STRATEGIES
 from siirl_dag.runtime import machines
-from siirl_dag.runtime.backends import LocalBackend, RayBackend
+from siirl_dag.runtime.backends import BACKENDS
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.recovery import Recovery
 from siirl_dag.runtime.reshard import Shard, balanced_ranges, equal_ranges, split
@@ -39,8 +40,7 @@ class Runtime:
         (a resume loads the checkpoint there, so the rollouts are synced once, to its weights).
         `log_dir`: the folder every rank process logs to, a file each (None: they print as they go)."""
         self.pipe, self.progress, self.on_built, self.log_dir = pipeline, progress, on_built, log_dir
-        backend = pipeline.runtime.backend
-        self.backend = RayBackend(pipeline, address, log_dir) if backend == "ray" else LocalBackend(pipeline, log_dir)
+        self.backend = import_ref(BACKENDS[pipeline.runtime.backend])(pipeline, address, log_dir)
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
         self.order = list(pipeline.nodes)
@@ -222,7 +222,7 @@ class Runtime:
                                            (seed_base + role.dp_rank) % (2**31), min_version, segment_tokens, resuming,
                                            *refs, num_returns=2))
             ranks.append((role.dp_rank, role.output_rank))
-        remaining = [c[1] for c in calls] if self.backend.name == "ray" else []
+        remaining = [] if self.backend.immediate else [c[1] for c in calls]
         return Running(node_id, calls, ranks, time.perf_counter(), job=job_id, remaining=remaining)
 
     def _owner_of_rows(self, node_id: str, outputs: dict) -> str:
@@ -237,8 +237,8 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
             return self.recovery.retry_or_raise(run, exc, result, job, validating, others)
         end = time.perf_counter()
-        local = self.backend.name == "local"
-        by_dp = sorted(((dp, self.backend.get(call[0]) if local else call[0], info)
+        immediate = self.backend.immediate
+        by_dp = sorted(((dp, self.backend.get(call[0]) if immediate else call[0], info)
                         for (dp, is_out), call, info in zip(run.ranks, run.calls, infos) if is_out), key=lambda x: x[0])
         if self.trace is not None:  # a span per rank, on the rank's own clock
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):

@@ -9,6 +9,7 @@ import textwrap
 from dataclasses import replace
 
 import pytest
+import torch
 
 import runtime_kinds
 from runtime_kinds import EVENTS
@@ -177,3 +178,19 @@ def test_dynamic_sampling_with_partial_rollouts_filters_whole_samples(tmp_path):
         [("update", 1)]
     assert [o.metrics["async/partial/segments"] for o in outcomes] == [6, 6]  # 2 rounds x (2 segments + the filter)
     assert all((o.result.metrics["update/rows"], o.metrics["dynamic_sampling/rounds"]) == (8, 2) for o in outcomes)
+
+
+def test_a_batch_saved_in_flight_comes_back_with_its_samples_versions(tmp_path):
+    """The staleness check reads each output's version counts (no rows reach the driver); a batch a
+    checkpoint kept in flight is read back with the counts its ranks made."""
+    from siirl_dag.runtime.step import NodeOutput, StepResult
+    from siirl_dag.trainer import in_flight
+    from siirl_dag.trainer.schedules.generation import Generated
+
+    batch = Batch({"weights_version": torch.tensor([3, 3, 2, 3]),
+                   "token_weights_version": torch.tensor([[3, 3], [3, 4], [2, 2], [3, 0]])})
+    out = NodeOutput.inline(batch)
+    assert out.versions == [(2, 2, 1), (3, 3, 2), (3, 4, 1)]
+    in_flight.save(tmp_path, [Generated(5, StepResult(outputs={"rollout": out}))], lambda ref: ref)
+    (back,) = in_flight.generated(in_flight.read(tmp_path, [5]))
+    assert back.result.outputs["rollout"].versions == out.versions

@@ -141,6 +141,18 @@ def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
 
 
+def version_counts(batch: Batch) -> list[tuple[int, int, int]]:
+    """(a sample's weights version, its newest token's, rows) over the rows of `batch` that carry
+    versions: what a staleness check reads, in a few numbers rather than the rows themselves."""
+    if "weights_version" not in batch.tensors or not batch.num_rows:
+        return []
+    oldest = batch.tensors["weights_version"]
+    tokens = batch.tensors.get("token_weights_version")
+    newest = tokens.max(dim=1).values if tokens is not None and tokens.shape[1] else oldest
+    pairs, counts = torch.stack([oldest, newest], dim=1).unique(dim=0, return_counts=True)
+    return [(a, b, c) for (a, b), c in zip(pairs.tolist(), counts.tolist())]
+
+
 def row_tokens(batch: Batch) -> list[int]:
     """Per-row work estimate for balancing: attention tokens when known, else 1 per row."""
     for key in ("attention_mask", "response_mask"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Callable, Iterable
 
@@ -249,13 +250,14 @@ class Runtime:
         if mesh and not validating:  # the mesh's fullest rank in this step (the plan's estimate is printed at start)
             key = f"memory/{mesh}/peak_gb"
             result.metrics[key] = max([result.metrics.get(key, 0.0)] + [info["peak_gb"] for info in infos])
-        shards, tokens, start, keys = [], [], 0, set()
+        shards, tokens, start, keys, versions = [], [], 0, set(), Counter()
         for _, wire, info in by_dp:
             shards.append(Shard(wire, start, start + info["rows"]))
             start += info["rows"]
             tokens += info["tokens"] or []
             keys |= set(info["keys"])
-        result.outputs[run.node] = NodeOutput(shards, keys, start, tokens)
+            versions.update({(a, b): n for a, b, n in info["versions"]})
+        result.outputs[run.node] = NodeOutput(shards, keys, start, tokens, [(a, b, n) for (a, b), n in sorted(versions.items())])
         if run.node in self.versions.trainer and not validating:
             self.versions.trainer[run.node] += 1
         self._add_metrics(result, run.node, by_dp[0][2]["metrics"] if by_dp else {})

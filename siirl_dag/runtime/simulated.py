@@ -74,8 +74,10 @@ class SimulatedRank:
         data = self.pipe.data
         tokens = [data.max_prompt_length + data.max_response_length] * rows if "attention_mask" in keys else \
             [data.max_response_length] * rows if "response_mask" in keys else [1] * rows
+        stamped = role.output_rank and rows and "weights_version" in keys
         info = {"rows": rows, "keys": list(keys), "metrics": {}, "tokens": tokens if role.output_rank else None,
-                "output_rank": role.output_rank, "span": (now, now), "weights_version": version, "peak_gb": 0.0}
+                "output_rank": role.output_rank, "span": (now, now), "weights_version": version, "peak_gb": 0.0,
+                "versions": [(version or 0, version or 0, rows)] if stamped else []}
         shard = SimulatedShard(keys, rows, version or 0, data.max_response_length) if role.output_rank else None
         return shard, info
 

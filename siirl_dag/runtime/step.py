@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
-from siirl_dag.runtime.batch import Batch, row_tokens
+from siirl_dag.runtime.batch import Batch, row_tokens, version_counts
 from siirl_dag.runtime.reshard import Shard
 
 COMPUTE = "__compute__"  # the worker group of the nodes with no mesh: several of them run at once
@@ -33,12 +33,14 @@ class NodeOutput:
     keys: set
     rows: int
     tokens: list[int]
+    versions: list = field(default_factory=list)  # its samples' weights versions (batch.version_counts)
 
     @classmethod
     def inline(cls, batch: Batch) -> "NodeOutput":
         """A batch held by the driver (the prompts, the kept rows of dynamic sampling): it travels
         inside the tasks that read it."""
-        return cls([Shard(batch.to_wire(), 0, batch.num_rows)], set(batch), batch.num_rows, row_tokens(batch))
+        return cls([Shard(batch.to_wire(), 0, batch.num_rows)], set(batch), batch.num_rows, row_tokens(batch),
+                   version_counts(batch))
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 from siirl_dag import console
 from siirl_dag.refs import import_ref
 from siirl_dag.runtime import host_malloc
-from siirl_dag.runtime.batch import Batch, row_tokens
+from siirl_dag.runtime.batch import Batch, row_tokens, version_counts
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
 from siirl_dag.strategies.engines import TrainerEngine
@@ -130,6 +130,7 @@ class RankWorker(SyncRank):
             raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(traceback.format_exc())) from None
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,
                 "tokens": row_tokens(result) if role.output_rank else None, "output_rank": role.output_rank,
+                "versions": version_counts(result) if role.output_rank else [],
                 "span": (began, time.time()), "weights_version": getattr(ctx.engine, "weights_version", None),
                 "peak_gb": _peak_gb()}
         return (result.to_wire() if role.output_rank else None), info

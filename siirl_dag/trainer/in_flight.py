@@ -88,6 +88,7 @@ def read(folder: Path, batches: list) -> list[tuple[dict, dict]]:
 
 def generated(records: list[tuple[dict, dict]]) -> list:
     """`read`'s batches as the queue of schedules.generation.Generated they were saved from."""
+    from siirl_dag.runtime.batch import Batch, version_counts
     from siirl_dag.runtime.reshard import Shard
     from siirl_dag.runtime.step import NodeOutput, StepResult
     from siirl_dag.trainer.schedules.generation import Generated
@@ -98,7 +99,9 @@ def generated(records: list[tuple[dict, dict]]) -> list:
         for node, o in record["outputs"].items():
             shards = [Shard({"tensors": {k: (arrays[f"{node}/{i}/{k}"], dtype) for k, dtype in s["dtypes"].items()},
                              "meta": s["meta"]}, s["start"], s["stop"]) for i, s in enumerate(o["shards"])]
-            outputs[node] = NodeOutput(shards, set(o["keys"]), o["rows"], o["tokens"])
+            versions = version_counts(Batch.concat([Batch.from_wire(s.ref, ["weights_version", "token_weights_version"])
+                                                    for s in shards]))
+            outputs[node] = NodeOutput(shards, set(o["keys"]), o["rows"], o["tokens"], versions)
         queue.append(Generated(record["batch"], StepResult(metrics=record["metrics"], outputs=outputs),
                                record.get("segments", 1)))
     return queue

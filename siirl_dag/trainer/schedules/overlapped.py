@@ -145,19 +145,20 @@ class Overlapped:
     def _staleness(self, given: Generated) -> dict:
         """Every sample's weights against the trainer's now (the version this step updates from): its
         oldest token's, checked against the bound."""
-        lags, mixed = [], []
+        rows = lag_sum = mixed = oldest = 0
         for dst, src in self.pairs:
-            # with dynamic sampling, the kept rows (the source of the training side) hold the rollout's columns
+            # with dynamic sampling, the kept rows (the source of the training side) hold the rollout's columns;
+            # every rank counted its samples' versions (`NodeOutput.versions`): no row comes to the driver
             holder = given.result.outputs[dst if dst in given.result.outputs else SOURCE]
-            batch = self.rt.gather(holder, ["weights_version", "token_weights_version"])
-            versions, tokens = batch["weights_version"], batch["token_weights_version"]
-            lags += (self.rt.versions.trainer[src] - versions).tolist()
-            mixed += (tokens.max(dim=1).values > versions).tolist()  # tokens of more than one weight version
-        if max(lags) > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
-            raise PipelineError(f"step {given.batch}: samples {max(lags)} weight versions old exceed "
+            for version, newest, n in holder.versions:
+                lag = self.rt.versions.trainer[src] - version
+                rows, lag_sum, oldest = rows + n, lag_sum + lag * n, max(oldest, lag)
+                mixed += n if newest > version else 0  # tokens of more than one weight version
+        if oldest > self.pipe.runtime.staleness:  # the schedule's bound, checked, not assumed
+            raise PipelineError(f"step {given.batch}: samples {oldest} weight versions old exceed "
                                 f"runtime.staleness = {self.pipe.runtime.staleness}")
-        metrics = {**given.result.metrics, "async/staleness/mean": sum(lags) / len(lags), "async/staleness/max": max(lags),
+        metrics = {**given.result.metrics, "async/staleness/mean": lag_sum / rows, "async/staleness/max": oldest,
                    "async/queued": len(self.queue)}
         if self.segment:
-            metrics.update({"async/partial/segments": given.segments, "async/partial/mixed": sum(mixed) / len(mixed)})
+            metrics.update({"async/partial/segments": given.segments, "async/partial/mixed": mixed / rows})
         return metrics

@@ -43,8 +43,10 @@ def structure(tmp_path: Path, model: str, data: Path, backend: str) -> dict:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     (trace,) = out.glob("outputs/*/*/trace.json")
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-    runs = sorted((e["pid"], e["name"], e["args"]["step"], e["args"]["rows"], e["args"]["weights_version"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    events = [e for e in events if e["ph"] == "X"]
+    runs = sorted((tracks[e["pid"]], e["name"], e["args"]["step"], e["args"]["rows"], e["args"]["weights_version"])
                   for e in events if "rows" in e["args"])
     syncs = sorted((e["name"], e["args"]["step"], e["args"]["version"]) for e in events if e["name"].startswith("sync "))
     return {"runs": runs, "syncs": syncs}

@@ -61,7 +61,8 @@ class LocalBackend:
         return ref
 
     def wait(self, pending: list) -> list:
-        return pending  # calls already finished when they returned
+        """The calls of `pending` finished by now (all of them: they finished when they returned)."""
+        return pending
 
     def kill(self, worker) -> None:
         pass
@@ -207,9 +208,13 @@ class RayBackend:
         return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
     def wait(self, pending: list) -> list:
+        """Every call of `pending` finished by now, once one has: a node's ranks finish together, and a
+        wait per call would cost the driver calls x pending."""
         import ray
 
-        ready, _ = ray.wait(pending, num_returns=1)
+        ready, rest = ray.wait(pending, num_returns=1)
+        if rest:
+            ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         return ready
 
     def kill(self, worker) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from siirl_dag.dataflow import SOURCE_KEYS, expansion
-from siirl_dag.runtime.backends import LocalBackend
+from siirl_dag.runtime.backends import LocalBackend, _Done
 from siirl_dag.runtime.batch import Batch
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 
@@ -71,6 +71,7 @@ class SimulatedRank:
             rows *= expansion(self.pipe, node_id)
         keys = tuple(sorted(set(role.kind.produced(role.node.params)) | {k for names, _ in inputs for _, k in names}
                             if role.kind.expands else role.kind.produced(role.node.params)))
+        rows = rows if keys else 0  # a batch's rows are its keys' (an update returns metrics alone)
         data = self.pipe.data
         tokens = [data.max_prompt_length + data.max_response_length] * rows if "attention_mask" in keys else \
             [data.max_response_length] * rows if "response_mask" in keys else [1] * rows
@@ -141,9 +142,11 @@ ANSWERS = {
 
 class SimulatedBackend(LocalBackend):
     """Handles for workers; counts the calls the driver makes (`calls`) and the CPU seconds the handles
-    took to answer them (`answer_s`: the ranks' share, not the driver's)."""
+    took to answer them (`answer_s`: the ranks' share, not the driver's). Its calls return references
+    the driver waits for and keeps, as Ray's do, so the driver takes Ray's paths."""
 
     name = "simulated"
+    immediate = False
 
     def __init__(self, pipeline, address: str | None = None, log_dir=None):
         super().__init__(pipeline, address, log_dir)
@@ -161,4 +164,5 @@ class SimulatedBackend(LocalBackend):
             self.answer_s += time.process_time() - t
 
     def fetch(self, ref):
-        return ref.to_wire() if isinstance(ref, SimulatedShard) else ref
+        value = self.get(ref) if isinstance(ref, _Done) else ref
+        return value.to_wire() if isinstance(value, SimulatedShard) else value

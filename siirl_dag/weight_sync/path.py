@@ -54,9 +54,10 @@ def wait_all(backend: Any, calls: list) -> list:
     """Every call's result; the first failure raised as soon as it happens (others may wait for it forever)."""
     pending = list(calls)
     while pending:
-        for ready in backend.wait(pending):
-            backend.get(ready)
-            pending.remove(ready)
+        ready = backend.wait(pending)
+        backend.get(ready)
+        finished = set(ready)
+        pending = [call for call in pending if call not in finished]
     return backend.get(calls)
 
 

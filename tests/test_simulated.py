@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from siirl_dag.runtime.reshard import Shard, split
+from siirl_dag.runtime.reshard import Shard, balanced_ranges, split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,23 @@ def test_split_gives_each_range_the_overlapping_pieces_of_the_shards():
         want = [[(s.ref, max(lo, s.start) - s.start, min(hi, s.stop) - s.start) for s in shards
                  if max(lo, s.start) < min(hi, s.stop)] for lo, hi in ranges]
         assert split(shards, ranges) == want
+
+
+def test_balanced_ranges_cut_at_the_prefix_sums_nearest_each_share():
+    def reference(tokens, parts):  # each cut in turn, as the definition says
+        prefix = [sum(tokens[:i]) for i in range(len(tokens) + 1)]
+        cuts = [0]
+        for k in range(1, parts):
+            target = prefix[-1] * k / parts
+            best = min(range(len(prefix)), key=lambda i: (abs(prefix[i] - target), i))
+            cuts.append(min(max(best, cuts[-1]), len(tokens)))
+        return list(zip(cuts, cuts[1:] + [len(tokens)]))
+
+    rng = random.Random(1)
+    for _ in range(300):
+        tokens = [rng.choice([1, 3, 8, 40]) for _ in range(rng.randint(0, 30))]
+        parts = rng.randint(1, 9)
+        assert balanced_ranges(tokens, parts) == reference(tokens, parts), (tokens, parts)
 
 
 def structure(tmp_path: Path, model: str, data: Path, backend: str) -> dict:

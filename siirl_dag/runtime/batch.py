@@ -153,9 +153,10 @@ def version_counts(batch: Batch) -> list[tuple[int, int, int]]:
     return [(a, b, c) for (a, b), c in zip(pairs.tolist(), counts.tolist())]
 
 
-def row_tokens(batch: Batch) -> list[int]:
-    """Per-row work estimate for balancing: attention tokens when known, else 1 per row."""
+def row_tokens(batch: Batch) -> np.ndarray:
+    """Per-row work estimate for balancing (int64): attention tokens when known, else 1 per row. An
+    array, not a list: the driver concatenates and sums one per node output, hundreds of thousands of rows."""
     for key in ("attention_mask", "response_mask"):
         if key in batch.tensors:
-            return batch.tensors[key].sum(dim=-1).tolist()
-    return [1] * batch.num_rows
+            return batch.tensors[key].sum(dim=-1).numpy().astype(np.int64)
+    return np.ones(batch.num_rows, dtype=np.int64)

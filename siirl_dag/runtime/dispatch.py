@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 import networkx as nx
+import numpy as np
 
 from siirl_dag.errors import PipelineError
 from siirl_dag.dataflow import SOURCE, SOURCE_KEYS
@@ -250,14 +251,15 @@ class Runtime:
         if mesh and not validating:  # the mesh's fullest rank in this step (the plan's estimate is printed at start)
             key = f"memory/{mesh}/peak_gb"
             result.metrics[key] = max([result.metrics.get(key, 0.0)] + [info["peak_gb"] for info in infos])
-        shards, tokens, start, keys, versions = [], [], 0, set(), Counter()
+        shards, tokens, start, keys, versions = [], [np.zeros(0, dtype=np.int64)], 0, set(), Counter()
         for _, wire, info in by_dp:
             shards.append(Shard(wire, start, start + info["rows"]))
             start += info["rows"]
-            tokens += info["tokens"] or []
+            tokens.append(info["tokens"])
             keys |= set(info["keys"])
             versions.update({(a, b): n for a, b, n in info["versions"]})
-        result.outputs[run.node] = NodeOutput(shards, keys, start, tokens, [(a, b, n) for (a, b), n in sorted(versions.items())])
+        result.outputs[run.node] = NodeOutput(shards, keys, start, np.concatenate(tokens),
+                                              [(a, b, n) for (a, b), n in sorted(versions.items())])
         if run.node in self.versions.trainer and not validating:
             self.versions.trainer[run.node] += 1
         self._add_metrics(result, run.node, by_dp[0][2]["metrics"] if by_dp else {})

@@ -9,10 +9,10 @@ data-parallel rank must run the same number of micro batches.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any, Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,14 @@ def equal_ranges(num_rows: int, parts: int) -> list[tuple[int, int]]:
 
 
 def balanced_ranges(tokens: Sequence[int], parts: int) -> list[tuple[int, int]]:
-    """Contiguous ranges with close token sums: each cut at the prefix sum nearest k/parts of the total."""
-    prefix = list(accumulate(tokens, initial=0))
-    n, cuts = len(tokens), [0]
-    for k in range(1, parts):
-        target = prefix[-1] * k / parts
-        i = bisect_left(prefix, target)
-        if i > n or (i > 0 and target - prefix[i - 1] <= prefix[i] - target):
-            i -= 1
-        cuts.append(min(max(i, cuts[-1]), n))
-    cuts.append(n)
+    """Contiguous ranges with close token sums: each cut at the prefix sum nearest k/parts of the total
+    (the earlier one on a tie), never before the previous cut."""
+    prefix = np.concatenate([[0], np.cumsum(np.asarray(tokens, dtype=np.int64))])
+    n = len(prefix) - 1
+    targets = prefix[-1] * np.arange(1, parts) / parts
+    i = np.searchsorted(prefix, targets)
+    back = (i > 0) & (targets - prefix[np.maximum(i - 1, 0)] <= prefix[np.minimum(i, n)] - targets)
+    cuts = [0, *np.maximum.accumulate(np.minimum(i - back, n)).tolist(), n] if parts > 1 else [0, n]
     return list(zip(cuts[:-1], cuts[1:]))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from siirl_dag.dataflow import SOURCE_KEYS, expansion
@@ -73,8 +74,9 @@ class SimulatedRank:
                             if role.kind.expands else role.kind.produced(role.node.params)))
         rows = rows if keys else 0  # a batch's rows are its keys' (an update returns metrics alone)
         data = self.pipe.data
-        tokens = [data.max_prompt_length + data.max_response_length] * rows if "attention_mask" in keys else \
-            [data.max_response_length] * rows if "response_mask" in keys else [1] * rows
+        per_row = data.max_prompt_length + data.max_response_length if "attention_mask" in keys else \
+            data.max_response_length if "response_mask" in keys else 1
+        tokens = np.full(rows, per_row, dtype=np.int64)
         stamped = role.output_rank and rows and "weights_version" in keys
         info = {"rows": rows, "keys": list(keys), "metrics": {}, "tokens": tokens if role.output_rank else None,
                 "output_rank": role.output_rank, "span": (now, now), "weights_version": version, "peak_gb": 0.0,

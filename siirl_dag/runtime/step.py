@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
+import numpy as np
+
 from siirl_dag.runtime.batch import Batch, row_tokens, version_counts
 from siirl_dag.runtime.reshard import Shard
 
@@ -32,7 +34,7 @@ class NodeOutput:
     shards: list[Shard]
     keys: set
     rows: int
-    tokens: list[int]
+    tokens: np.ndarray  # per row (batch.row_tokens)
     versions: list = field(default_factory=list)  # its samples' weights versions (batch.version_counts)
 
     @classmethod

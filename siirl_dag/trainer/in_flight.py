@@ -31,7 +31,7 @@ def save(folder: Path, queue: list, fetch: Callable[[Any], dict]) -> list[int]:
                 arrays.update({f"{node}/{i}/{k}": np.ascontiguousarray(a) for k, (a, _) in wire["tensors"].items()})
                 shards.append({"start": shard.start, "stop": shard.stop, "meta": wire["meta"],
                                "dtypes": {k: dtype for k, (_, dtype) in wire["tensors"].items()}})
-            outputs[node] = {"keys": sorted(out.keys), "rows": out.rows, "tokens": out.tokens, "shards": shards}
+            outputs[node] = {"keys": sorted(out.keys), "rows": out.rows, "tokens": out.tokens.tolist(), "shards": shards}
         safetensors.numpy.save_file(arrays, str(folder / FOLDER / f"{g.batch}.safetensors"))
         record = {"batch": g.batch, "segments": g.segments, "metrics": g.result.metrics, "outputs": outputs}
         (folder / FOLDER / f"{g.batch}.json").write_text(json.dumps(record))
@@ -101,7 +101,7 @@ def generated(records: list[tuple[dict, dict]]) -> list:
                              "meta": s["meta"]}, s["start"], s["stop"]) for i, s in enumerate(o["shards"])]
             versions = version_counts(Batch.concat([Batch.from_wire(s.ref, ["weights_version", "token_weights_version"])
                                                     for s in shards]))
-            outputs[node] = NodeOutput(shards, set(o["keys"]), o["rows"], o["tokens"], versions)
+            outputs[node] = NodeOutput(shards, set(o["keys"]), o["rows"], np.asarray(o["tokens"], dtype=np.int64), versions)
         queue.append(Generated(record["batch"], StepResult(metrics=record["metrics"], outputs=outputs),
                                record.get("segments", 1)))
     return queue

@@ -197,8 +197,8 @@ class Trainer:
             metrics[f"timing_s/idle/{mesh}"] = max(elapsed - _union_length(on_devices), 0.0)
         busy = _union_length(span for _, span in spans)
         metrics["timing_s/engine_overhead"] = max(elapsed - busy - metrics.get("timing_s/sync_weights", 0.0), 0.0)
-        tokens = max((o.tokens for o in result.outputs.values()), key=lambda tk: sum(tk), default=[])
-        metrics["perf/throughput"] = sum(tokens) / elapsed / self.pipe.cluster.total
+        tokens = max((int(o.tokens.sum()) for o in result.outputs.values()), default=0)
+        metrics["perf/throughput"] = tokens / elapsed / self.pipe.cluster.total
         metrics["training/epoch"] = epoch
         return metrics
 

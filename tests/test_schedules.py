@@ -189,7 +189,7 @@ def test_a_batch_saved_in_flight_comes_back_with_its_samples_versions(tmp_path):
 
     batch = Batch({"weights_version": torch.tensor([3, 3, 2, 3]),
                    "token_weights_version": torch.tensor([[3, 3], [3, 4], [2, 2], [3, 0]])})
-    out = NodeOutput.inline(batch)
+    out = NodeOutput.held(batch, lambda wire: wire)
     assert out.versions == [(2, 2, 1), (3, 3, 2), (3, 4, 1)]
     in_flight.save(tmp_path, [Generated(5, StepResult(outputs={"rollout": out}))], lambda ref: ref)
     (back,) = in_flight.generated(in_flight.read(tmp_path, [5]))

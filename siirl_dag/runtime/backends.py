@@ -60,6 +60,10 @@ class LocalBackend:
     def fetch(self, ref):
         return ref
 
+    def put(self, value):
+        """`value` as a shard's reference: itself, in this process."""
+        return value
+
     def wait(self, pending: list) -> list:
         """The calls of `pending` finished by now (all of them: they finished when they returned)."""
         return pending
@@ -202,10 +206,17 @@ class RayBackend:
         return ray.get(ref, timeout=timeout)
 
     def fetch(self, ref):
-        """A shard from the object store, or a value that travels inline (the prompts)."""
+        """A shard from the object store, or one held here (read back from a checkpoint)."""
         import ray
 
         return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+
+    def put(self, value):
+        """`value` in the object store once: a value passed inline to a call is serialized into each call
+        (the prompts of a step, to every rollout rank)."""
+        import ray
+
+        return ray.put(value)
 
     def wait(self, pending: list) -> list:
         """Every call of `pending` finished by now, once one has: a node's ranks finish together, and a

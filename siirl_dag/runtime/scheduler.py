@@ -29,8 +29,8 @@ class Scheduler:
         """Queue `job`'s nodes; returns its id, which `wait` hands back with its result."""
         i = next(self._ids)
         result = StepResult(outputs=dict(job.given.outputs) if job.given else {})
-        if job.source is not None:  # the prompts are small: they travel inside the tasks that read them
-            result.outputs[SOURCE] = NodeOutput.inline(job.source)
+        if job.source is not None:  # the prompts, stored once for every rank that reads them
+            result.outputs[SOURCE] = NodeOutput.held(job.source, self.rt.backend.put)
         self.jobs[i], self.results[i] = job, result
         self.wanted[i] = set(self.rt.order) if job.nodes is None else set(job.nodes)
         self.pending += [(i, n) for n in self.rt.order if n in self.wanted[i]]

@@ -38,10 +38,10 @@ class NodeOutput:
     versions: list = field(default_factory=list)  # its samples' weights versions (batch.version_counts)
 
     @classmethod
-    def inline(cls, batch: Batch) -> "NodeOutput":
-        """A batch held by the driver (the prompts, the kept rows of dynamic sampling): it travels
-        inside the tasks that read it."""
-        return cls([Shard(batch.to_wire(), 0, batch.num_rows)], set(batch), batch.num_rows, row_tokens(batch),
+    def held(cls, batch: Batch, put) -> "NodeOutput":
+        """A batch the driver holds (the prompts, the kept rows of dynamic sampling), as one shard that
+        `put` (the backend's) stores once for every rank that reads it."""
+        return cls([Shard(put(batch.to_wire()), 0, batch.num_rows)], set(batch), batch.num_rows, row_tokens(batch),
                    version_counts(batch))
 
 

@@ -88,7 +88,7 @@ class Generation:
             if then:  # generating nodes after the filter: once, on the kept rows
                 self._next = (then, rows, None)
             else:
-                self._finish(StepResult(metrics=self.metrics, outputs={SOURCE: NodeOutput.inline(rows)}))
+                self._finish(StepResult(metrics=self.metrics, outputs={SOURCE: NodeOutput.held(rows, self.rt.backend.put)}))
         else:
             self._finish(result)
 

@@ -333,6 +333,7 @@ class Runtime:
         finally:
             self.workers.clear()
             self.backend.shutdown()
+            gc.unfreeze()  # what start froze is the collector's again (a process may start another runtime)
 
     def _unfinished(self, calls: list, deadline: float) -> list:
         """The calls still running at `deadline` (one that failed is finished: dead, or stuck, the

@@ -341,3 +341,10 @@ def test_roll_async_generation_on_devices_of_its_own(tmp_path, capsys):
                       + "async_generation_ratio: 1\n")
     doc, _, plan = imported("roll", source, tmp_path, capsys)
     assert doc["runtime"] == {"schedule": "async", "staleness": 1} and plan["meshes"]["gen"]["devices"] == list(range(16, 24))
+
+
+def test_a_quote_in_a_comment_inside_an_array_is_text():
+    """slime's run-glm5.2 script: `# the model's own ...` inside ARGS=(...) once swallowed the rest of the script."""
+    from siirl_dag.importers.shell_words import commands
+    words = [[w.raw for w in c] for c in commands("ARGS=(\n  --a 1\n  # the model's own layer\n  --b 2\n)\necho done\n")]
+    assert words == [["ARGS=(\n  --a 1\n  # the model's own layer\n  --b 2\n)"], ["echo", "done"]]

@@ -61,6 +61,9 @@ def group_end(s: str, i: int) -> int:
             j += 1
         elif top in ('"', "`") and not s.startswith(("$(", "${"), j):
             j += 1
+        elif top == ")" and c == "#" and s[j - 1] in " \t\n(":  # a comment in an array or $(...): its quotes are text
+            end = s.find("\n", j)
+            j = len(s) if end < 0 else end
         elif c in "'\"`":
             stack.append(c)
             j += 1

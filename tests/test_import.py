@@ -348,3 +348,24 @@ def test_a_quote_in_a_comment_inside_an_array_is_text():
     from siirl_dag.importers.shell_words import commands
     words = [[w.raw for w in c] for c in commands("ARGS=(\n  --a 1\n  # the model's own layer\n  --b 2\n)\necho done\n")]
     assert words == [["ARGS=(\n  --a 1\n  # the model's own layer\n  --b 2\n)"], ["echo", "done"]]
+
+
+def test_defaults_given_elsewhere_expand_with_what_the_script_assigns(tmp_path):
+    """`: ${LR:=..}` and `echo ${N:=..}` assign; `${G:-$BASE}` after the command is the default of `$G`."""
+    script = tmp_path / "run.sh"
+    script.write_text("""#!/bin/bash
+: ${LR:=1e-6}
+echo "${N:=4}"
+BASE=3
+python3 -m verl.trainer.main_ppo actor_rollout_ref.actor.optim.lr=$LR trainer.nnodes=$N \\
+    trainer.n_gpus_per_node=$G data.train_batch_size=$BS data.max_prompt_length=$P
+echo ${G:-$BASE} ${BS:-"$((BASE * 2))"} ${P:-$UNSET}
+""")
+    src = read_script(script)
+    assert {k: v for k, (v, _) in src.keys.items()} == {
+        "actor_rollout_ref.actor.optim.lr": 1e-6, "trainer.nnodes": 4, "trainer.n_gpus_per_node": 3,
+        "data.train_batch_size": 6, "data.max_prompt_length": "$P"}
+    remarks = {x.key: x.why for x in src.remarks}
+    assert set(remarks) == {"trainer.n_gpus_per_node", "data.train_batch_size"}  # := assigned: nothing to say
+    assert "(G=$BASE)" in remarks["trainer.n_gpus_per_node"]
+    assert "$UNSET is not assigned" in src.unresolved["data.max_prompt_length"]  # its default is not known either

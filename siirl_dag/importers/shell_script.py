@@ -5,8 +5,11 @@ A script such as siiRL's `run_qwen3-8b-megatron.sh` sets variables (`export TP=2
 -m siirl.main_dag` / `verl.trainer.main_ppo` (or a recipe's entry point), on continued lines or
 from a bash array. The script is read as bash words (`shell_words`), in order; the first training
 command's overrides become a `Source`, each argument with its line and typed as Hydra types it
-(`off` stays a string). A variable the script does not assign but gives one default elsewhere
-(`${N:-8}` in an echo, say) takes that default, and the key says so. A value only running the
+(`off` stays a string). `: ${N:=8}` (or `:=` in any command) assigns, as in bash; a variable the
+script does not assign but gives one default elsewhere (`${N:-8}` in an echo, or `${N:-$BASE}` after
+the command, expanded with what the script assigns) takes that default, and the key says so.
+`command_arguments` gives the expanded words of any program's command line (slime's and OpenRLHF's
+`--flag value` arguments are read from it by `shell_flags`). A value only running the
 script would give (`$(date)`, `$1`, a variable with no default) is not guessed: the key is kept as
 written and marked unresolved, so the importer lists it or uses the engine's default, and says which.
 """
@@ -14,13 +17,14 @@ written and marked unresolved, so the importer lists it or uses the engine's def
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from siirl_dag.config.yaml_loader import LimitedLoader, read_input
 from siirl_dag.errors import ConfigError, Problem
-from siirl_dag.importers.shell_words import Unresolved, Word, commands, expand, expand_one
+from siirl_dag.importers.shell_words import Unresolved, Word, commands, expand, expand_one, group_end
 from siirl_dag.importers.source import Source
 
 ENTRY_POINTS = re.compile(r"(siirl\.main_dag|\bmain_(?:dag|ppo|dapo|grpo|spin|prime|\w*ppo)\b|fully_async_main|"
@@ -31,11 +35,35 @@ _ARRAY_USE = re.compile(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?')
 _KEYWORDS = {"then", "else", "do", "{", "}", "!", "time", "nohup", "exec", "if", "elif", "while", "until"}
 _DECLARE = {"export", "declare", "local", "readonly", "typeset"}
 _HYDRA_STRINGS = {"on", "off", "yes", "no", "y", "n"}  # YAML 1.1 booleans that Hydra reads as strings
-_DEFAULT = re.compile(r"\$\{([A-Za-z_]\w*):?[-=]([^{}$`]*)\}")  # ${X:-d}, ${X:=d} with a literal default
+_DEFAULT = re.compile(r"\$\{([A-Za-z_]\w*):?[-=]")  # the head of ${X:-d}, ${X:=d}, ${X-d}, ${X=d}
 
 
 def read_script(path: str | Path) -> Source:
     """The overrides that the script's training command passes, as a Source (keys dotted)."""
+    arguments, defaults = command_arguments(path, ENTRY_POINTS, NOT_RL, "`python3 -m verl.trainer.main_ppo` or "
+                                            "`siirl.main_dag` with key=value arguments")
+    source = Source(str(path), {})
+    _overrides(arguments, source, defaults)
+    source.raise_problems()
+    return source.resolve()
+
+
+@dataclass
+class Argument:
+    """One word after the entry point, expanded: its values (or why they are not known), as written, its
+    line, and the variables the script does not assign whose default given elsewhere it took."""
+
+    values: list[str] | Unresolved
+    raw: str
+    line: int
+    used: list[str] = field(default_factory=list)
+
+
+def command_arguments(path: str | Path, entry: re.Pattern, not_rl: re.Pattern,
+                      expected: str) -> tuple[list[Argument], dict[str, str]]:
+    """The expanded arguments of the script's first command naming `entry` (arrays spliced in, element by
+    element), and the defaults the script gives elsewhere; a script without one is refused, naming the
+    program it runs where `not_rl` finds one, else saying `expected`."""
     path = str(path)
     text = read_input(path, "a readable shell script")  # a regular file of bounded size: a FIFO is never read
     env: dict = {}
@@ -43,33 +71,38 @@ def read_script(path: str | Path) -> Source:
     for words in commands(text):
         while words and words[0].raw in _KEYWORDS:
             words = words[1:]
-        entry = _entry(words, env)
-        if entry is not None:
-            source, twice = Source(path, {}), False
-            m = _ASSIGN.fullmatch(words[entry].raw)
+        found = _entry(words, env, entry)  # expanding words also assigns ${X:=d}, as bash does
+        if found is not None:
+            twice = False
+            m = _ASSIGN.fullmatch(words[found].raw)
             if m and m.group(3).startswith("(") and m.group(3).endswith(")"):  # CMD=(python3 -m ... k=v): run by eval
-                inner = [Word(w.raw, words[entry].line + w.line - 1) for c in commands(m.group(3)[1:-1]) for w in c]
-                words, entry, twice = inner, _entry(inner, env) or 0, True
-            _arguments(words[entry + 1:], env, arrays, source, twice, _defaults(text))
-            source.raise_problems()
-            return source.resolve()
+                inner = [Word(w.raw, words[found].line + w.line - 1) for c in commands(m.group(3)[1:-1]) for w in c]
+                words, found, twice = inner, _entry(inner, env, entry) or 0, True
+            defaults = _defaults(text)
+            return _arguments(words[found + 1:], env, arrays, twice, defaults), defaults
         _assignments(words, env, arrays)
-    refused = NOT_RL.search(text)
+    refused = not_rl.search(text)
     if refused:
         raise ConfigError(Problem((), f"this script runs {refused.group(1)}, which is not RL training; expected a script "
-                                      "running `python3 -m verl.trainer.main_ppo` or `siirl.main_dag`", file=path, line=1))
-    raise ConfigError(Problem((), "no training command found; expected a line running `python3 -m siirl.main_dag` or "
-                                  "`verl.trainer.main_ppo` with key=value arguments", file=path, line=1))
+                                      f"running {expected}", file=path, line=1))
+    raise ConfigError(Problem((), f"no training command found; expected a line running {expected}", file=path, line=1))
 
 
-def _entry(words: list[Word], env: dict) -> int | None:
+def default_remark(source: Source, key: str, argument: Argument, defaults: dict[str, str]) -> None:
+    """Say that `key` took the default its variables are given elsewhere (they are not assigned)."""
+    if argument.used:
+        source.remark(key, f"{', '.join('$' + n for n in argument.used)} is not assigned in the script; the default it "
+                           f"gives elsewhere is used ({', '.join(n + '=' + defaults[n] for n in argument.used)})")
+
+
+def _entry(words: list[Word], env: dict, entry: re.Pattern) -> int | None:
     """Index of the word naming the training entry point (as written, or once expanded)."""
     for i, word in enumerate(words):
-        if ENTRY_POINTS.search(word.raw):
+        if entry.search(word.raw):
             return i
         if "$" in word.raw:
             try:
-                if ENTRY_POINTS.search(expand_one(word.raw, env)):
+                if entry.search(expand_one(word.raw, env)):
                     return i
             except Unresolved:
                 pass
@@ -112,11 +145,13 @@ def _array(inner: str, first_line: int, env: dict) -> list[tuple[list[str] | Unr
 
 
 def _defaults(text: str) -> dict[str, str]:
-    """The variables the script gives one literal default somewhere (`${X:-d}`, `${X:=d}`, in any
-    command): what its author means by a plain `$X` the script does not assign."""
+    """The variables the script gives one default somewhere (`${X:-d}`, `${X:=d}`, in any command, `d`
+    as written, expanded where it is used): what its author means by a `$X` the script does not assign."""
     found: dict[str, set[str]] = {}
     for m in _DEFAULT.finditer(text):
-        found.setdefault(m.group(1), set()).add(m.group(2))
+        end = group_end(text, m.start())
+        if text[end - 1:end] == "}":
+            found.setdefault(m.group(1), set()).add(text[m.end():end - 1])
     return {name: next(iter(values)) for name, values in found.items() if len(values) == 1}
 
 
@@ -131,42 +166,43 @@ def _expanded(raw: str, env: dict, twice: bool, defaults: dict) -> tuple[list[st
             if exc.unassigned not in defaults or exc.unassigned in used:
                 raise
             used.append(exc.unassigned)
-            env = env | {exc.unassigned: expand_one(defaults[exc.unassigned], {})}
+            env = env | {exc.unassigned: expand_one(defaults[exc.unassigned], env)}
 
 
-def _arguments(words: list[Word], env: dict, arrays: dict, source: Source, twice: bool = False,
-               defaults: dict | None = None) -> None:
-    """Each argument after the entry point as a key of `source` (arrays spliced in, element by element);
-    `twice`: the words of a command kept in an array and run by `eval`, so expanded again (`\\$X`);
-    `defaults`: `_defaults`, for the variables the script does not assign."""
-    items: list[tuple[list[str] | Unresolved, str, int, list[str]]] = []
+def _arguments(words: list[Word], env: dict, arrays: dict, twice: bool, defaults: dict) -> list[Argument]:
+    """Each word after the entry point expanded, arrays spliced in element by element; `twice`: the words
+    of a command kept in an array and run by `eval`, so expanded again (`\\$X`); `defaults`: `_defaults`,
+    for the variables the script does not assign."""
+    out: list[Argument] = []
     for word in words:
         use = _ARRAY_USE.fullmatch(word.raw)
         if use and use.group(1) in arrays:
-            items += [(*item, []) for item in arrays[use.group(1)]]
+            out += [Argument(*item) for item in arrays[use.group(1)]]
             continue
         try:
-            values, used = _expanded(word.raw, env, twice, defaults or {})
-            items.append((values, word.raw, word.line, used))
+            values, used = _expanded(word.raw, env, twice, defaults)
+            out.append(Argument(values, word.raw, word.line, used))
         except Unresolved as exc:
-            items.append((exc, word.raw, word.line, []))
+            out.append(Argument(exc, word.raw, word.line))
+    return out
+
+
+def _overrides(arguments: list[Argument], source: Source, defaults: dict) -> None:
+    """Hydra's `key=value` overrides (and its --config-name / --config-path options) as keys of `source`."""
     pending_option = None
-    for values, raw, line, used in items:
-        if isinstance(values, Unresolved):
-            _unresolved(raw, line, values, source)
+    for argument in arguments:
+        if isinstance(argument.values, Unresolved):
+            _unresolved(argument.raw, argument.line, argument.values, source)
             continue
-        for text in values:
+        for text in argument.values:
             if pending_option is not None:
-                source.keys[pending_option] = (text, line)
+                source.keys[pending_option] = (text, argument.line)
                 pending_option = None
             elif text in ("--config-name", "--config-path", "-cn", "-cp"):
                 pending_option = "--config-name" if text in ("--config-name", "-cn") else "--config-path"
             elif text:
-                _argument(text, line, source)
-                if used:
-                    source.remark(text.lstrip("+").partition("=")[0], f"{', '.join('$' + n for n in used)} is not "
-                                  f"assigned in the script; the default it gives elsewhere is used "
-                                  f"({', '.join(n + '=' + defaults[n] for n in used)})")
+                _argument(text, argument.line, source)
+                default_remark(source, text.lstrip("+").partition("=")[0], argument, defaults)
 
 
 def _unresolved(raw: str, line: int, why: Unresolved, source: Source) -> None:

@@ -16,6 +16,7 @@ from siirl_dag.errors import ConfigError
 
 COMMANDS = ("run", "validate", "plan", "visualize", "import")
 MODULES = {"import": "import_config"}  # `import` is a Python keyword
+PEERS = ("siirl", "verl", "roll", "areal", "slime")  # importers.PEERS (not imported: slow)
 
 EPILOG = """examples:
   python -m siirl_dag.main graphs/tiny_grpo_cpu.yaml trainer.total_steps=5      run a pipeline
@@ -58,10 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     vis.add_argument("-o", "--output", required=True, help="output file; the format follows the extension")
     vis.add_argument("--view", choices=("graph", "placement", "timeline"), default="graph",
                      help="timeline: give the run's folder (or its trace.json) instead of a pipeline")
-    imp = sub.add_parser("import", help="write a pipeline from a siiRL/verl run script, a ROLL or an AReaL YAML")
-    imp.add_argument("--from", dest="peer", required=True, choices=("siirl", "verl", "roll", "areal"),
+    imp = sub.add_parser("import", help="write a pipeline from a peer's run script or YAML (siiRL, verl, ROLL, AReaL, slime, "
+                         "NeMo-RL, OpenRLHF)")
+    imp.add_argument("--from", dest="peer", required=True, choices=PEERS,
                      help="the framework SOURCE is written for")
-    imp.add_argument("source", help="siirl/verl: the run script (or a YAML of its keys); roll, areal: the YAML")
+    imp.add_argument("source", help="siirl/verl: the run script (or a YAML of its keys); slime, openrlhf: the run "
+                     "script; roll, areal, nemo-rl: the YAML")
     imp.add_argument("-o", "--output", required=True, help="the pipeline YAML to write")
     imp.add_argument("--json", action="store_true", help="print a machine-readable result")
     return parser

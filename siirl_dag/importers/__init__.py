@@ -13,7 +13,8 @@ from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.importers.source import Imported
 
 PEERS = {"siirl": "siirl_dag.importers.verl", "verl": "siirl_dag.importers.verl",
-         "roll": "siirl_dag.importers.roll", "areal": "siirl_dag.importers.areal", "slime": "siirl_dag.importers.slime"}
+         "roll": "siirl_dag.importers.roll", "areal": "siirl_dag.importers.areal", "slime": "siirl_dag.importers.slime",
+         "openrlhf": "siirl_dag.importers.openrlhf"}
 
 
 def import_config(peer: str, path: str | Path) -> Imported:

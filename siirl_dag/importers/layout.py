@@ -32,10 +32,14 @@ def actor_mesh(src: Source, key: str, devices: int, sizes: dict[str, int]) -> st
     return allocation("megatron", max(devices // replica, 1), **sizes)
 
 
-def rollout_mesh(src: Source, key: str, devices: int, tp: int, colocated: bool) -> dict | str:
-    """vLLM engines of `tp` devices over the rollout's `devices`; a problem at `key` where they do not divide."""
+def rollout_mesh(src: Source, key: str, devices: int, tp: int, colocated: int | None) -> dict | str:
+    """vLLM engines of `tp` devices over the rollout's `devices`, on the actor's `colocated` devices or apart
+    (None); a problem at `key` where they do not divide, or do not cover the actor's."""
     if tp < 1 or devices % tp:
         src.problem(key, f"{devices} devices do not split into vLLM engines of {tp}; expected a divisor of {devices}")
+    elif colocated and devices != colocated:
+        src.problem(key, f"the rollout's {devices // tp} engine(s) of {tp} hold {devices} devices, colocated with the "
+                         f"trainer's {colocated}; expected engines x tensor parallel size = {colocated}")
     alloc = allocation("vllm", max(devices // max(tp, 1), 1), tp=max(tp, 1))
     return {"alloc": alloc, "colocate_with": "actor"} if colocated else alloc
 
@@ -52,6 +56,16 @@ def prompts_per_step(src: Source, key: str, samples: int | None, n: int) -> int 
 
 
 def loggers(src: Source, **on: str | None) -> list[str] | None:
-    """`console` and the trackers whose keys are set (tracker name -> source key, e.g. wandb='--use-wandb')."""
-    names = [name for name, key in on.items() if key and src.take(key, False)]
+    """`console` and the trackers whose keys are set (tracker name -> source key, e.g. wandb='--use-wandb'),
+    also by a value only running the script gives (an API key from the environment)."""
+    names = [name for name, key in on.items() if key and src.has(key) and (key in src.unresolved or src.value(key))]
+    for key in on.values():
+        if key and src.has(key):
+            src.taken.add(key)
     return ["console", *[n for n in names if n in TRACKERS]] if names else None
+
+
+def hide(src: Source, key: str) -> None:
+    """A secret (an API key) is not repeated in the audit: its value reads as hidden."""
+    if src.has(key) and key not in src.unresolved and isinstance(src.value(key), str):
+        src.keys[key] = ("(hidden)", src.line(key))

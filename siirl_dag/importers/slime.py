@@ -64,6 +64,7 @@ def read(path: str | Path) -> Source:
 
 
 def convert(src: Source) -> Draft:
+    layout.hide(src, "--wandb-key")
     for key, why in NO_COUNTERPART.items():
         src.drop(key, why)
     if src.take("--optimizer", "adam") != "adam":
@@ -84,7 +85,8 @@ def convert(src: Source) -> Draft:
         src.problem("--advantage-estimator", f"'{estimator}' has no counterpart; expected one of {', '.join(ESTIMATORS)}")
     meshes = {"actor": layout.actor_mesh(src, "--tensor-model-parallel-size", nodes * per_node, sizes),
               "gen": layout.rollout_mesh(src, "--rollout-num-gpus-per-engine", gen_devices,
-                                         src.take("--rollout-num-gpus-per-engine", 1, kind=int), colocated)}
+                                         src.take("--rollout-num-gpus-per-engine", 1, kind=int),
+                                         nodes * per_node if colocated else None)}
     draft = Draft(
         name=str(src.value("--wandb-group") or Path(src.file).stem).replace("_", "-").replace(".", "-"),
         cluster=layout.cluster(nodes, per_node, gen_devices, colocated),

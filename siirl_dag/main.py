@@ -16,7 +16,7 @@ from siirl_dag.errors import ConfigError
 
 COMMANDS = ("run", "validate", "plan", "visualize", "import")
 MODULES = {"import": "import_config"}  # `import` is a Python keyword
-PEERS = ("siirl", "verl", "roll", "areal", "slime", "openrlhf")  # importers.PEERS (not imported: slow)
+PEERS = ("siirl", "verl", "roll", "areal", "slime", "nemo-rl", "openrlhf")  # importers.PEERS (not imported: slow)
 
 EPILOG = """examples:
   python -m siirl_dag.main graphs/tiny_grpo_cpu.yaml trainer.total_steps=5      run a pipeline

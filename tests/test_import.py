@@ -369,3 +369,10 @@ echo ${G:-$BASE} ${BS:-"$((BASE * 2))"} ${P:-$UNSET}
     assert set(remarks) == {"trainer.n_gpus_per_node", "data.train_batch_size"}  # := assigned: nothing to say
     assert "(G=$BASE)" in remarks["trainer.n_gpus_per_node"]
     assert "$UNSET is not assigned" in src.unresolved["data.max_prompt_length"]  # its default is not known either
+
+
+def test_the_cli_offers_every_importer():
+    """main.py names the peers without importing the importers (slow); the two lists stay one."""
+    from siirl_dag import main as cli
+    from siirl_dag.importers import PEERS
+    assert set(cli.PEERS) == set(PEERS)

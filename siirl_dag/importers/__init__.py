@@ -14,7 +14,7 @@ from siirl_dag.importers.source import Imported
 
 PEERS = {"siirl": "siirl_dag.importers.verl", "verl": "siirl_dag.importers.verl",
          "roll": "siirl_dag.importers.roll", "areal": "siirl_dag.importers.areal", "slime": "siirl_dag.importers.slime",
-         "openrlhf": "siirl_dag.importers.openrlhf"}
+         "openrlhf": "siirl_dag.importers.openrlhf", "nemo-rl": "siirl_dag.importers.nemo_rl"}
 
 
 def import_config(peer: str, path: str | Path) -> Imported:

@@ -16,10 +16,10 @@ from siirl_dag.placement.allocation import spell as allocation
 from siirl_dag.trainer.trackers import TRACKERS
 
 
-def cluster(nodes: int, per_node: int, gen_devices: int, colocated: bool) -> dict:
-    """The cluster of a run whose trainer has nodes x per_node devices and whose rollout has gen_devices
-    (on the same ones when colocated, else beside them)."""
-    total = nodes * per_node + (0 if colocated else gen_devices)
+def cluster(train_devices: int, per_node: int, gen_devices: int, colocated: bool) -> dict:
+    """The cluster of a run whose trainer has `train_devices` and whose rollout has `gen_devices` (on the
+    same ones when colocated, else beside them), `per_node` devices a node."""
+    total = train_devices + (0 if colocated else gen_devices)
     return {"nodes": max(math.ceil(total / per_node), 1), "devices_per_node": per_node, "device": "cuda"}
 
 

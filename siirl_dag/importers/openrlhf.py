@@ -103,7 +103,7 @@ def convert(src: Source) -> Draft:
     lr = src.take(flag("--actor.adam.lr"), 1e-6)
     draft = Draft(
         name=str(src.value(flag("--logger.wandb.run_name")) or Path(src.file).stem).replace("_", "-"),
-        cluster=layout.cluster(nodes, per_node, engines * tp, colocated),
+        cluster=layout.cluster(nodes * per_node, per_node, engines * tp, colocated),
         policy={"path": src.take_path(flag("--actor.model_name_or_path")),
                 "dtype": {"fp16": "float16"}.get(src.take(flag("--ds.param_dtype"), "bf16"), "bfloat16")},
         data={"train_files": src.take_path(flag("--data.prompt_dataset")), "val_files": src.take_path(flag("--eval.dataset")),

@@ -89,7 +89,7 @@ def convert(src: Source) -> Draft:
                                          nodes * per_node if colocated else None)}
     draft = Draft(
         name=str(src.value("--wandb-group") or Path(src.file).stem).replace("_", "-").replace(".", "-"),
-        cluster=layout.cluster(nodes, per_node, gen_devices, colocated),
+        cluster=layout.cluster(nodes * per_node, per_node, gen_devices, colocated),
         policy={"path": src.take_path("--hf-checkpoint"), "dtype": "bfloat16"},
         data={"train_files": src.take_path("--prompt-data"), "prompt_key": src.take("--input-key", kind=str),
               "train_batch_size": src.take("--rollout-batch-size", kind=int),

@@ -54,25 +54,33 @@ class Source:
     origins: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # key -> (file, line) read from another file
 
     @classmethod
-    def from_yaml(cls, path: str | Path, *, lists: bool = False, whole: tuple[str, ...] = ()) -> Source:
+    def from_yaml(cls, path: str | Path, *, lists: bool = False, whole: tuple[str, ...] = (), resolve: bool = True) -> Source:
         """A YAML file, flattened (`lists`: lists of mappings too, by index: `tools.0.class_name`; keys
-        named in `whole` keep their value whole, one row); a file that is not a mapping is refused at its line."""
+        named in `whole` keep their value whole, one row; `resolve`: False leaves OmegaConf references for
+        after the files it inherits are included); a file that is not a mapping is refused at its line."""
         doc, positions = load_yaml(path, "a YAML configuration file")
         if not isinstance(doc, dict):
             raise ConfigError(Problem((), "expected a YAML mapping of configuration keys", file=str(path), line=1))
         flat: dict[str, tuple[Any, int | None]] = {}
         _flatten(doc, (), positions, flat, lists, whole)
-        return cls(str(path), flat).resolve()
+        return cls(str(path), flat).resolve() if resolve else cls(str(path), flat)
 
     def include(self, other: Source, prefix: str = "") -> None:
         """Another file's keys (a file this one names), under `prefix`; keys this source sets itself win.
         Their lines are the other file's, so they are kept as origins (problems point there)."""
         for key, (value, line) in other.keys.items():
-            if prefix + key not in self.keys:
+            if prefix + key not in self.keys and not self._shadows(prefix + key):
                 self.keys[prefix + key] = (value, None)
                 self.origins[prefix + key] = (other.file, line)
                 if key in other.unresolved:
                     self.unresolved[prefix + key] = other.unresolved[key]
+
+    def _shadows(self, key: str) -> bool:
+        """Whether this source replaces `key` of a file it includes, as OmegaConf merges: by a value (not a
+        mapping) at a key above it (`optimizer: null`), or by keys under it."""
+        parts = key.split(".")
+        above = (".".join(parts[:i]) for i in range(1, len(parts)))
+        return any(k in self.keys and self.keys[k][0] != {} for k in above) or any(k.startswith(key + ".") for k in self.keys)
 
     def resolve(self) -> Source:
         """OmegaConf references resolved; a value still holding one (a resolver, an unknown key) is unresolved."""
@@ -177,12 +185,23 @@ def _flatten(value: Any, path: tuple, positions: dict, out: dict, lists: bool = 
 
 _REF = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")
 _REF_ANY = re.compile(r"\$\{[^}]*\}")
+_RELATIVE = re.compile(r"\$\{(\.+)([A-Za-z_][\w.]*)\}")
+
+
+def _absolute(key: str, m: re.Match) -> str:
+    """OmegaConf's relative reference in `key`'s value: one dot a sibling, each more dot a level up."""
+    parent = key.split(".")[:-1]
+    up = len(m.group(1)) - 1
+    return f"${{{'.'.join((parent[:len(parent) - up] if up else parent) + [m.group(2)])}}}" if up <= len(parent) else m.group(0)
 
 
 def resolve_references(keys: dict[str, tuple[Any, int | None]]) -> None:
-    """OmegaConf's `${a.b}` (AReaL, ROLL) replaced by the value at a.b, in place: a whole-value
+    """OmegaConf's `${a.b}` (AReaL, ROLL, NeMo-RL; `${.b}` relative) replaced by the value at a.b, in place: a whole-value
     reference keeps its type, one inside text is substituted as text; resolvers (`${oc.env:X}`) and
     unknown keys stay as written (they are then reported with the key)."""
+    for key, (value, line) in keys.items():  # relative ones (${.temperature}: a sibling) made absolute
+        if isinstance(value, str) and "${." in value:
+            keys[key] = (_RELATIVE.sub(lambda m: _absolute(key, m), value), line)
     for _ in range(8):  # chains of references; a cycle stays unresolved
         changed = False
         for key, (value, line) in keys.items():

@@ -1,6 +1,6 @@
-"""`import --from siirl|verl|roll|areal SOURCE -o pipeline.yaml`: write the equivalent pipeline
-under a header auditing the import (what was carried over as written, what with a difference and
-what not, each with its line and why; `--json` gives the same as data), then validate it."""
+"""`import --from PEER SOURCE -o pipeline.yaml` (siirl, verl, roll, areal, slime, nemo-rl, openrlhf): write
+the equivalent pipeline under a header auditing the import (what was carried over as written, what with
+a difference and what not, each with its line and why; `--json` gives the same as data), then validate it."""
 
 from __future__ import annotations
 

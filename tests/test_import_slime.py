@@ -82,3 +82,22 @@ def test_bad_values_exit_2_at_their_line(tmp_path, capsys, old, new, expected):
     assert main(["import", "--from", "slime", str(source), "-o", str(tmp_path / "p.yaml")]) == 2
     err = capsys.readouterr().err
     assert f"{source}:{line_of(source, new)}: {expected}" in err and "Traceback" not in err
+
+
+def test_no_text_makes_the_flag_reader_raise(tmp_path):
+    """Property: any text (seeded random runs of shell fragments and flags) reads as a Source or a ConfigError."""
+    import random
+
+    from siirl_dag.errors import ConfigError
+    from siirl_dag.importers import slime
+    from test_import import SHELL_PIECES
+    pieces = SHELL_PIECES + ["--use-tis ", "--tis-clip ", "-1 ", "--a=b ", '"${A[@]}" ', "${M[@]} ", "train.py "]
+    rng = random.Random(61)
+    script = tmp_path / "run.sh"
+    for _ in range(600):
+        text = "".join(rng.choices(pieces, k=rng.randint(0, 40)))
+        script.write_text("A=(--x 1)\n" + text + ("\npython3 train.py " + text if rng.random() < 0.7 else ""))
+        try:
+            slime.convert(slime.read(script))
+        except ConfigError:
+            pass

@@ -86,3 +86,10 @@ def test_a_missing_parent_is_refused_at_its_line(tmp_path, capsys):
     source.write_text("grpo: {max_num_steps: 10}\ndefaults: ../nowhere.yaml\n")
     assert main(["import", "--from", "nemo-rl", str(source), "-o", str(tmp_path / "p.yaml")]) == 2
     assert f"{source}:2: defaults: ../nowhere.yaml is not found" in capsys.readouterr().err
+
+
+def test_a_config_without_grpo_is_refused(tmp_path, capsys):
+    source = tmp_path / "sft.yaml"
+    source.write_text("sft: {max_num_steps: 10}\npolicy: {model_name: m}\n")
+    assert main(["import", "--from", "nemo-rl", str(source), "-o", str(tmp_path / "p.yaml")]) == 2
+    assert f"{source}:1: <root>: no grpo section" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from pathlib import Path
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag.importers import corrections, layout
 from siirl_dag.importers.draft import PARQUET_NOTE, Draft, all_parquet
-from siirl_dag.importers.features import lora
+from siirl_dag.importers.features import lora, refuse
 from siirl_dag.importers.source import Source
 from siirl_dag.placement.rules import option_sizes, parallel_sizes
 
@@ -75,6 +75,9 @@ def _inherit(src: Source, path: Path, into: Source, depth: int) -> None:
 
 
 def convert(src: Source) -> Draft:
+    if not src.under("grpo"):  # sft, dpo, rm, distillation configs
+        refuse(src, "", "no grpo section: not a GRPO configuration (SFT, DPO, reward model or distillation), which is "
+                        "not RL training here; expected NeMo-RL's examples/configs/grpo_*.yaml or a recipe inheriting one")
     for key, why in UNUSED.items():
         src.drop_under(key, why)
     per_node, nodes = src.take("cluster.gpus_per_node", 8, kind=int), src.take("cluster.num_nodes", 1, kind=int)

@@ -30,9 +30,10 @@ agents: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=20 tests
 
-# the tests that start no vLLM engine, Megatron rank or Ray: config, graph, placement, algorithms, pictures
+# the tests that start no vLLM engine, Megatron rank or Ray and take no seconds each (tests/conftest.py:
+# SLOW_*): config, graph, placement, algorithms, pictures
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not engines" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not engines and not slow" tests
 
 bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/bench.py

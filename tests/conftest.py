@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,17 @@ import pytest  # noqa: E402
 ENGINE_MODULES = {"test_e2e", "test_e2e_ppo", "test_e2e_algorithms", "test_e2e_async", "test_lora_sync",
                   "test_megatron_lora", "test_cuda", "test_megatron_checkpoint", "test_megatron_cpu_compat",
                   "test_megatron_critic", "test_memory_measured", "test_e2e_agent", "test_kill_driver", "test_e2e_compose"}
+# Tests that take seconds without an engine (a fresh interpreter per module, a real MLflow server, a
+# browser, a pip install, a sandbox's limits, a checkpoint written by Megatron's format): marked `slow`;
+# `make test-fast` leaves these out too, `make test` runs them.
+SLOW_MODULES = {"test_trackers"}
+SLOW_TESTS = {"test_every_module_imports_before_any_other_of_ours", "test_lean_layers_match_megatrons_and_are_what_the_local_spec_builds",
+              "test_the_cli_refuses_with_exit_2_and_loses_nothing", "test_demo_task_data",
+              "test_freed_activations_stay_with_the_heap", "test_a_plain_install_validates_a_pipeline_from_another_folder",
+              "test_a_ray_that_never_starts_ends_the_process_with_a_message", "test_each_sandbox_has_its_own_process_budget",
+              "test_timeline_page_renders_in_headless_chromium", "test_html_page_renders_in_headless_chromium",
+              "test_options_are_checked_before_any_engine_starts", "test_validate_and_a_refused_run_do_not_load_torch",
+              "test_output_into_a_pipe_whose_reader_left_ends_quietly", "test_readme_figure_script"}
 # Options of the session engine; tests that compare against HF need fp32.
 VLLM_TEST_OPTIONS = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 256, "enforce_eager": True}
 
@@ -26,6 +38,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in ENGINE_MODULES:
             item.add_marker(pytest.mark.engines)
+        if item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +56,6 @@ def demo_data(tmp_path_factory):
 def sandboxes_alone():
     """Sandbox tests check that no sandbox process is left on the machine: one such test at a time over
     the xdist workers, so that none sees another's sandboxes as left behind."""
-    import fcntl
     import tempfile
 
     with open(Path(tempfile.gettempdir()) / "siirl-dag-sandbox-tests.lock", "w") as lock:
@@ -57,10 +70,18 @@ def row_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    from make_tiny_model import make_tiny_model
+def tiny_model_dir(tmp_path_factory, request) -> str:
+    """Made once for the session, under a lock in the folder pytest-xdist's workers share: the first
+    worker pays for transformers' model classes, the others only read the files."""
+    base = tmp_path_factory.getbasetemp()
+    out = (base.parent if hasattr(request.config, "workerinput") else base) / "tiny_model"
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            from make_tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+            make_tiny_model(out)
+    return str(out)
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from make_agent_task import optimizer, seeded, train_step, trajectory
-from make_tiny_model import make_tiny_model
 from nodes.tool_calls import Observations
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from make_tiny_model import make_tiny_model
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tiny") / "model"

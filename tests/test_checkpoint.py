@@ -14,7 +14,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from torch.distributed.checkpoint.api import CheckpointException
 
 from siirl_dag.config import load_pipeline
 from siirl_dag.errors import ConfigError
@@ -231,6 +230,8 @@ def test_changed_data_files_are_refused_at_train_files(tmp):
 
 def test_an_engine_that_cannot_load_fails_as_one_line(tmp):
     """A truncated shard shows only when the engines load: a PipelineError (exit 1), no traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     folder = write_checkpoint(tmp, 2)
     trainer = Trainer(pipeline(tmp))
     assert trainer.resume.path == folder

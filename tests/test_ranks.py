@@ -1,7 +1,6 @@
 """Our rank groups against megatron-core's own RankGenerator, built as initialize_model_parallel does."""
 
 import pytest
-from megatron.core.parallel_state import RankGenerator
 
 from siirl_dag.placement import ParallelDims, inference_coords, rank_coords, rank_groups
 
@@ -52,6 +51,8 @@ EXPERT_TOKENS = {"ep": "ep", "etp": "tp", "edp": "dp", "etp_ep": "tp-ep"}
 
 def megatron_groups(world, tp, pp, cp, ep, etp):
     """Mirror of megatron.core.parallel_state.initialize_model_parallel's two generators."""
+    from megatron.core.parallel_state import RankGenerator  # here: megatron-core takes seconds to import
+
     etp = tp if etp is None else etp
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=ORDER, rank_offset=0)
     expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=ORDER, rank_offset=0)

@@ -97,7 +97,8 @@ def main(args) -> int:
             print(f"  model {name}: LoRA rank {model.lora.rank}, alpha {model.lora.alpha:g} on "
                   f"{', '.join(sorted(model.lora.targets))}; the base frozen")
     for r in routes_json(pipe):
-        print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']}); {r['payload_reason']}")
+        print(f"  weights {r['trainer']} -> {r['rollout']}: {r['path']} ({r['reason']}); {r['payload_reason']}; "
+              f"{r['mode']} ({r['mode_reason']})")
     if ahead := schedule.describe(pipe):
         print(f"  {ahead}")
     phases = phases_of(pipe)

@@ -177,6 +177,7 @@ class RuntimeSpec:
     partial_rollout: bool  # generate in segments; weights may change between them (trainer/schedules/overlapped.py)
     partial_rollout_tokens: int
     weight_sync_path: str  # auto, shared_memory or process_group (weight_sync.routes)
+    weight_sync_mode: str  # full or delta (weight_sync.routes, weight_sync.delta)
     verify_sync: bool
     verify_probe_every: int
     weight_sync_bucket_mb: float

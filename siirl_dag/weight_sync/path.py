@@ -10,11 +10,15 @@ one: a part may have stopped half-way through a bucket, so its pipe is never use
 from __future__ import annotations
 
 import itertools
+import logging
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from siirl_dag.weight_sync.fingerprints import SyncMismatch
 from siirl_dag.weight_sync.rank import SyncRank
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Placed:
     verify: bool
     device: str
     payload: str = "model"  # "model" (its weights) or "adapters" (LoRA adapters alone): routes.Route.payload
+    delta: bool = False  # send deltas after a first full sync (routes.Route.mode; `delta`)
 
 
 class SyncPath(Protocol):
@@ -65,12 +70,17 @@ class Streamed:
     """Separate meshes: the trainer's rank 0 sends its export through a pipe that every rollout rank
     reads into one load, all parts started at once, while the other trainer ranks walk the export's
     collectives; buckets go rank to rank, never through the driver. A subclass makes the pipe on the
-    members (`_open`, returning what the driver closes to wake parts blocked on it, or None)."""
+    members (`_open`, returning what the driver closes to wake parts blocked on it, or None).
+
+    With `pair.delta` each member's pipe keeps the bytes of the last version (`delta.DeltaPipe`): a
+    sync after the first sends deltas, and one that does not verify (a version missed, bytes or
+    tensors that differ) is sent again at once in full (`sync/delta_fallback` 1)."""
 
     _names = itertools.count()  # pipes are named on the ranks, which may serve several pairs
 
     def __init__(self, pair: Placed):
         self.pair, self.name, self.closer = pair, f"{pair.trainer}->{pair.rollout}/{next(self._names)}", None
+        self.synced = False  # a sync went through whole: the members hold its bytes (with pair.delta)
         self.members = [pair.trainer_ranks[0][0]] + [worker for worker, _ in pair.rollout_ranks]
         try:
             self.closer = self._open()
@@ -81,20 +91,32 @@ class Streamed:
     def _open(self) -> Any:
         raise NotImplementedError
 
-    def start(self, version: int) -> Callable[[], dict]:
+    def start(self, version: int, full: bool = False) -> Callable[[], dict]:
         pair, backend = self.pair, self.pair.backend
         (keeper, key), walkers = pair.trainer_ranks[0], pair.trainer_ranks[1:]
         calls = [backend.call(w, SyncRank.walk_export, k, pair.payload) for w, k in walkers]
         calls.append(backend.call(keeper, SyncRank.send_weights, key, self.name, pair.bucket_bytes, pair.verify,
-                                  pair.payload))
+                                  pair.payload, version, full))
         calls += [backend.call(w, SyncRank.receive_weights, k, version, self.name, pair.verify, pair.payload)
                   for w, k in pair.rollout_ranks]
 
+        deltas = pair.delta and self.synced and not full
+
         def wait() -> dict:
-            results = wait_all(backend, calls)
+            try:
+                results = wait_all(backend, calls)
+            except Exception as exc:  # noqa: BLE001 - a rank's error, re-raised unless a delta did not verify
+                if not (deltas and isinstance(getattr(exc, "cause", None) or exc, SyncMismatch)):
+                    raise
+                log.warning("weight sync %s -> %s: the delta to version %d did not verify (%s); sending it in full",
+                            pair.trainer, pair.rollout, version, getattr(exc, "cause", None) or exc)
+                return {**self.start(version, full=True)(), "sync/delta_fallback": 1}
+            self.synced = True
             stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
             stats.update({stat: max(load[stat] for load in loads)  # the slowest rollout rank
-                          for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s")})
+                          for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s", "sync/decode_s") if stat in loads[0]})
+            if pair.delta:
+                stats["sync/delta_fallback"] = 0
             return stats
 
         return wait

@@ -109,6 +109,7 @@ class ProcessGroup(Streamed):
         backend, members = self.pair.backend, self.members
         address, port = backend.get(backend.call(members[0], SyncRank.address))
         backend.get([backend.call(w, SyncRank.open_pipe, self.name,
-                                  functools.partial(SyncGroup, address, port, rank, len(members), self.pair.device))
+                                  functools.partial(SyncGroup, address, port, rank, len(members), self.pair.device),
+                                  self.pair.delta)
                      for rank, w in enumerate(members)])
         return None  # each member's close tears its group down

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from siirl_dag.strategies.engines import Engine, RolloutEngine, TrainerEngine
 from siirl_dag.weight_sync import stream
+from siirl_dag.weight_sync.delta import DeltaPipe
 
 
 class SyncRank:
@@ -49,10 +50,12 @@ class SyncRank:
 
         return ray.get_runtime_context().get_node_id()
 
-    def open_pipe(self, name: str, make: Callable[[], Any]) -> Any:
-        """Make a pipe here (`make` runs on this rank) and keep it under `name` from sync to sync.
-        Returns it if other members may hold it too (a shared-memory channel, for its readers)."""
-        self.pipes[name] = pipe = make()
+    def open_pipe(self, name: str, make: Callable[[], Any], delta: bool = False) -> Any:
+        """Make a pipe here (`make` runs on this rank) and keep it under `name` from sync to sync, with
+        the bytes of what it carried if `delta` (`delta.DeltaPipe`). Returns it if other members may
+        hold it too (a shared-memory channel, for its readers)."""
+        pipe = make()
+        self.pipes[name] = DeltaPipe(pipe) if delta else pipe
         return pipe if getattr(pipe, "shared", False) else None
 
     def close_pipe(self, name: str) -> None:
@@ -63,18 +66,32 @@ class SyncRank:
                 pipe.close()
 
     # -- one sync -------------------------------------------------------------------------------
-    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool, payload: str) -> dict:
+    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool, payload: str, version: int,
+                     full: bool = False) -> dict:
         """The trainer's rank 0: its export (the model, or its adapters) into the pipe, bucket by bucket
-        (fingerprinted if `verify`)."""
-        return stream.send(self._trainer(engine_key), self.pipes[pipe], bucket_bytes, verify, payload)
+        (fingerprinted if `verify`); through a delta pipe as deltas against the version before, unless `full`."""
+        end = self.pipes[pipe]
+        if not isinstance(end, DeltaPipe):
+            return stream.send(self._trainer(engine_key), end, bucket_bytes, verify, payload)
+        sending = end.sending(version, full)
+        stats = stream.send(self._trainer(engine_key), sending, bucket_bytes, verify, payload)
+        stats["sync/send_s"] -= sending.stats["sync/encode_s"]
+        return {**stats, **sending.stats}
 
     def walk_export(self, engine_key: str, payload: str) -> None:
         """The other trainer ranks: take part in the export's collectives."""
         stream.walk(self._trainer(engine_key), payload)
 
     def receive_weights(self, engine_key: str, version: int, pipe: str, verify: bool, payload: str) -> dict:
-        """A rollout rank: the pipe's buckets into one load of its engine, checked if `verify`, stamped `version`."""
-        return stream.receive(self._rollout(engine_key), self.pipes[pipe], version, verify, payload)
+        """A rollout rank: the pipe's buckets into one load of its engine, checked if `verify`, stamped
+        `version`; deltas applied on a delta pipe."""
+        end = self.pipes[pipe]
+        if not isinstance(end, DeltaPipe):
+            return stream.receive(self._rollout(engine_key), end, version, verify, payload)
+        receiving = end.receiving(version)
+        stats = stream.receive(self._rollout(engine_key), receiving, version, verify, payload)
+        stats["sync/wait_s"] -= receiving.stats["sync/decode_s"]
+        return {**stats, **receiving.stats}
 
     def handoff_weights(self, src_key: str, dst_key: str, version: int, payload: str) -> dict:
         """Colocated: wake the rollout engine beside the trainer's (a third engine of this rank gives

@@ -3,7 +3,8 @@ per trainer -> rollout pair when the run starts, and by `plan` and `validate --j
 
 The first row whose rule holds gives the pair its path; a new path is one file (a `SyncPath`) plus
 one row. `runtime.weight_sync_path` may ask for a path between separate meshes; one that cannot
-serve the pair is refused at the door (`problems`).
+serve the pair is refused at the door (`problems`). `runtime.weight_sync_mode=delta` sends deltas
+(`delta`) on the rows that move bytes; the others hand tensors over in process and stay full.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Pair:
     device: str  # "cpu" or "cuda"
     machines: int  # machines of the trainer's rank 0 and every rollout rank
     requested: str  # runtime.weight_sync_path: auto, shared_memory or process_group
+    mode: str = "full"  # runtime.weight_sync_mode: full or delta
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Route:
     reason: str
     payload: str = "model"  # what travels: models.lora.payload
     payload_reason: str = "the model's weights"
+    mode: str = "full"  # what each sync sends: every tensor, or after a first full sync a delta (`delta`)
+    mode_reason: str = "runtime.weight_sync_mode=full: every tensor at every sync"
 
 
 def _colocated(p: Pair) -> str | None:
@@ -65,11 +69,12 @@ class Row:
     name: str
     ref: str  # "module:Class" of its SyncPath, imported only by the runtime
     rule: Callable[[Pair], str | None]  # why it serves the pair, or None
+    moves_bytes: bool = True  # copies buckets between processes (a delta saves bytes there)
 
 
 TABLE = (
-    Row("colocated", "siirl_dag.weight_sync.colocated:Colocated", _colocated),
-    Row("in_process", "siirl_dag.weight_sync.in_process:InProcess", _one_process),
+    Row("colocated", "siirl_dag.weight_sync.colocated:Colocated", _colocated, moves_bytes=False),
+    Row("in_process", "siirl_dag.weight_sync.in_process:InProcess", _one_process, moves_bytes=False),
     Row("shared_memory", "siirl_dag.weight_sync.shared_memory:SharedMemory", _shared_memory),
     Row("process_group", "siirl_dag.weight_sync.process_group:ProcessGroup", _process_group),
 )
@@ -82,21 +87,36 @@ def pair_of(pipe: Any, rollout: str) -> Pair:
     machines = {src.ranks[0].machine} | {slot.machine for slot in dst.ranks}
     colocated = src.anchor == dst.anchor
     return Pair(trainer, rollout, colocated, pipe.runtime.backend, pipe.cluster.device, len(machines),
-                pipe.runtime.weight_sync_path)
+                pipe.runtime.weight_sync_path, pipe.runtime.weight_sync_mode)
+
+
+def _mode(row: Row, p: Pair) -> tuple[str, str]:
+    """What the pair's syncs send along `row`, and why."""
+    if p.mode == "full":
+        return Route.mode, Route.mode_reason
+    if not row.moves_bytes:
+        return "full", "tensors handed over in process: no bytes for a delta to save, only its work added"
+    return "delta", ("runtime.weight_sync_mode=delta: after a full sync, each bucket as the compressed XOR "
+                     "against the version the engines hold, checked bit for bit")
+
+
+def _route(p: Pair, payload: tuple[str, str]) -> Route:
+    row, why = next((row, why) for row in TABLE if (why := row.rule(p)))
+    return Route(row.name, why, *payload, *_mode(row, p))
 
 
 def routes(pipe: Any) -> dict[str, Route]:
     """rollout node -> the route of its weights, for every node with `weights_from` (once placed)."""
     pairs = [pair_of(pipe, n.id) for n in pipe.nodes.values() if n.weights_from and pipe.plan]
     what = {p.rollout: payload(pipe.models[pipe.nodes[p.rollout].model].lora, p.device) for p in pairs}
-    return {p.rollout: next(Route(row.name, why, *what[p.rollout]) for row in TABLE if (why := row.rule(p)))
-            for p in pairs}
+    return {p.rollout: _route(p, what[p.rollout]) for p in pairs}
 
 
 def routes_json(pipe: Any) -> list[dict]:
     """Each pair's route, as `plan --json` and `validate --json` print it."""
     return [{"trainer": pipe.nodes[rollout].weights_from, "rollout": rollout, "path": r.path, "reason": r.reason,
-             "payload": r.payload, "payload_reason": r.payload_reason} for rollout, r in routes(pipe).items()]
+             "payload": r.payload, "payload_reason": r.payload_reason, "mode": r.mode, "mode_reason": r.mode_reason}
+            for rollout, r in routes(pipe).items()]
 
 
 def problems(pipe: Any) -> list[Problem]:

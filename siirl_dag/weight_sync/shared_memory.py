@@ -94,6 +94,6 @@ class SharedMemory(Streamed):
         backend, (keeper, *readers) = self.pair.backend, self.members
         nodes = backend.get([backend.call(w, SyncRank.node_id) for w in readers])
         make = functools.partial(ChannelPipe.create, list(zip(readers, nodes)))
-        channel = backend.get(backend.call(keeper, SyncRank.open_pipe, self.name, make))
-        backend.get([backend.call(w, SyncRank.open_pipe, self.name, channel.reader) for w in readers])
+        channel = backend.get(backend.call(keeper, SyncRank.open_pipe, self.name, make, self.pair.delta))
+        backend.get([backend.call(w, SyncRank.open_pipe, self.name, channel.reader, self.pair.delta) for w in readers])
         return channel

@@ -116,16 +116,21 @@ def walk(engine: TrainerEngine, payload: str) -> None:
 def receive(engine: RolloutEngine, pipe: Any, version: int, verify: bool, payload: str) -> dict:
     """A rollout rank: the pipe's buckets into one load of `engine`, stamped `version` once the `End`
     has come and, if `verify`, its fingerprints match (sync/verify_s: sampling and comparing). If the
-    engine fails, the rest of the stream is still read, so the trainer finishes."""
+    engine fails, the rest of the stream is still read, so the trainer finishes. The first payload is
+    read before the engine is touched: a stream refused at once (an export that failed at its start, a
+    delta on a version this rank missed) leaves the engine as it was."""
     stats, prints, ended = {"sync/wait_s": 0.0, "sync/verify_s": 0.0}, Fingerprints(), False
 
-    def tensors() -> Iterator[Named]:
+    def read() -> Any:
+        t0 = time.perf_counter()
+        item = pipe.read()
+        stats["sync/wait_s"] += time.perf_counter() - t0
+        return item
+
+    def tensors(item: Any) -> Iterator[Named]:
         nonlocal ended
         while True:
-            t0 = time.perf_counter()
-            item = pipe.read()
             t1 = time.perf_counter()
-            stats["sync/wait_s"] += t1 - t0
             ended = isinstance(item, (End, Aborted))
             if isinstance(item, Aborted):
                 raise item.error()
@@ -139,8 +144,12 @@ def receive(engine: RolloutEngine, pipe: Any, version: int, verify: bool, payloa
             if ended:
                 return
             yield from item
+            item = read()
 
-    t0, stream = time.perf_counter(), tensors()
+    t0, first = time.perf_counter(), read()
+    if isinstance(first, Aborted):
+        raise first.error()
+    stream = tensors(first)
     try:
         with torch.no_grad():  # the engine loads in this thread's grad mode otherwise
             (engine.load_adapters if payload == "adapters" else engine.load_weights)(stream, version)

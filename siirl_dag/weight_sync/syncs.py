@@ -120,7 +120,8 @@ class WeightSyncs:
         src, runtime = self.rt.pipe.nodes[dst].weights_from, self.rt.pipe.runtime
         placed = Placed(src, dst, self.rt.backend, [(w, r.engine_key) for w, r in self.rt.roles[src]],
                         [(w, r.engine_key) for w, r in self.rt.roles[dst]], int(runtime.weight_sync_bucket_mb * 2**20),
-                        runtime.verify_sync, self.rt.pipe.cluster.device, self.routes[dst].payload)
+                        runtime.verify_sync, self.rt.pipe.cluster.device, self.routes[dst].payload,
+                        self.routes[dst].mode == "delta")
         row = next(row for row in TABLE if row.name == self.routes[dst].path)
         self.paths[dst] = import_ref(row.ref)(placed)
         return self.paths[dst]

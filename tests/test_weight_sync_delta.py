@@ -1,7 +1,9 @@
 """Delta weight sync (runtime.weight_sync_mode=delta): bf16 buckets rebuilt bit for bit from their XOR
 deltas; the in-process path sends deltas after a first full sync and heals a dropped bucket or a
-missed version with a full sync; the route table's choice of mode. The real stack (Megatron ranks,
-vLLM engines, shared memory and a gloo group, LoRA adapters): tests/test_weight_sync_delta_e2e.py."""
+missed version with a full sync; the route table's choice of mode; and through the real stack
+(a Megatron rank, a vLLM engine, over shared memory and a gloo group, the model or LoRA adapters):
+the bytes the engine loads equal the trainer's, vLLM's log-probs equal Megatron's, a missed
+version is healed."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 
 from siirl_dag.weight_sync import delta
-from siirl_dag.weight_sync.delta import DeltaMismatch, DeltaPipe
-from test_weight_sync import RecordingEngine, placed
+from siirl_dag.weight_sync.delta import DeltaMismatch
+from test_weight_sync import (LOGPROB_INPUTS, TRAIN_STEP, RecordingEngine, assert_same_logprobs, placed, prompts,  # noqa: F401
+                              ray_session, sampled_logprobs)
 
 
 def bf16_bucket(seed: int, lr: float = 0.0, base: list | None = None) -> list:
@@ -192,3 +195,75 @@ def test_the_mode_is_chosen_per_route_and_shown_and_a_bad_one_is_refused_at_its_
     assert p.path == ("runtime", "weight_sync_mode") and p.line == len(bad.splitlines())
     code, _, err = cli(capsys, "validate", str(write(tmp_path, bad)))
     assert code == 2 and f"p.yaml:{p.line}:" in err and "runtime.weight_sync_mode: " in err
+
+
+# --- through the real stack -------------------------------------------------------------------------------
+
+PIPELINE = """\
+name: delta
+cluster: {{nodes: 1, devices_per_node: 2, device: cpu}}
+models: {{policy: {{path: {model}, dtype: float32{lora}}}}}
+data: {{train_files: unused.parquet, train_batch_size: 4, max_prompt_length: 16, max_response_length: 8}}
+meshes: {{train: "megatron:d1", gen: "vllm:d1"}}
+nodes:
+  - {{id: rollout, kind: rollout, mesh: gen, model: policy, weights_from: actor_update,
+     options: {{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true}}}}
+  - {{id: reward, kind: reward, deps: [rollout]}}
+  - {{id: advantage, kind: advantage, deps: [reward]}}
+  - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
+  - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob], mesh: train, model: policy,
+     options: {{lr: {lr}, micro_batch_size: 2}}, params: {{mini_batch_size: 4, entropy_coeff: 0.5}}}}
+runtime: {{backend: ray, cpus_per_rank: 0.5, weight_sync_bucket_mb: 0.05, weight_sync_path: {path},
+           weight_sync_mode: delta, verify_probe_every: 1}}
+"""
+LORA = ", lora: {rank: 8, alpha: 16, target_modules: [all-linear]}"
+
+
+def _held(worker, pipe: str) -> tuple:
+    """A delta pipe's version and a digest of the bytes it holds (what the engine was last given)."""
+    import hashlib
+
+    end = worker.pipes[pipe]
+    return end.version, hashlib.sha256(b"".join(b.tobytes() for b in end.bases)).hexdigest()
+
+
+def _miss_a_version(worker, pipe: str) -> None:
+    """Planted on the rollout rank: its bytes count as a version older than they are (a delta it never got)."""
+    worker.pipes[pipe].version -= 1
+
+
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("path, lora", [("shared_memory", ""), ("process_group", LORA)],
+                         ids=["shared_memory", "process_group-lora"])
+def test_deltas_through_the_real_stack_give_the_engine_the_trainers_bytes_and_a_missed_version_heals(
+        tmp_path, tiny_model_dir, path, lora):
+    from siirl_dag.config import load_pipeline
+    from siirl_dag.runtime import Runtime
+
+    f = tmp_path / "p.yaml"
+    f.write_text(PIPELINE.format(model=tiny_model_dir, lora=lora, lr="1.0e-1" if lora else "1.0e-2", path=path))
+    with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
+        route = rt.routes["rollout"]
+        assert (route.path, route.mode, route.payload) == (path, "delta", "adapters" if lora else "model")
+        name = rt.weight_syncs.paths["rollout"].name  # made by the start-up sync, in full
+        ends = [w for w, _ in rt.roles["actor_update"][:1] + rt.roles["rollout"]]
+
+        def held() -> list:
+            return rt.backend.get([w.__ray_call__.remote(_held, name) for w in ends])
+
+        rt.run_step(prompts(0), step=1, nodes=TRAIN_STEP)
+        stats = rt.sync_weights(1)
+        assert stats["sync/delta_buckets"] == stats["sync/buckets"] > 1 and stats["sync/delta_fallback"] == 0
+        assert stats["sync/sent_bytes"] < stats["sync/bytes"] and stats["sync/probe_diff"] < 1e-4
+        trainer, rollout = held()
+        assert trainer == rollout and trainer[0] == 1, "the engine was given the trainer's bytes, bit for bit"
+        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 4))
+
+        rt.backend.get([w.__ray_call__.remote(_miss_a_version, name) for w, _ in rt.roles["rollout"]])
+        rt.run_step(prompts(8), step=2, nodes=TRAIN_STEP)
+        healed = rt.sync_weights(2)
+        assert healed["sync/delta_fallback"] == 1 and healed["sync/delta_buckets"] == 0, "sent again in full"
+        trainer, rollout = held()
+        assert trainer == rollout and trainer[0] == 2 and rt.versions.held["rollout"] == 2
+        assert_same_logprobs(sampled_logprobs(rt, "rollout", "old_logprob", 12))

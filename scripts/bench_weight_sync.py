@@ -2,6 +2,7 @@
 
     python scripts/bench_weight_sync.py [--json] [--hidden 1024] [--layers 4] [--experts 0] [--bucket-mb 32]
         [--train d1] [--gen d1] [--path auto|shared_memory|process_group] [--repeats 8] [--no-verify] [--lora 16]
+    python scripts/bench_weight_sync.py --delta [--json] [--lrs 1e-6,2e-4] [--hidden 1024] [--layers 4] ...
 
 Builds a random Qwen2-style model (fp32; Qwen3-MoE with --experts), starts the real Runtime (Ray,
 Megatron trainer, vLLM rollout) twice, with the rollout colocated on the trainer's ranks and on a mesh
@@ -16,6 +17,14 @@ target < 5%), and the per-stage breakdown: gather (the trainer collecting its sh
 one rank), convert (into HF's layout: splitting fused q/k/v and gate/up), send (the trainer handing
 buckets over, including any wait for a slower reader), load (vLLM's loader), wait (the rollout idle
 for lack of a bucket; export and load overlap bucket by bucket), handoff (colocated: all of it).
+
+`--delta`: runtime.weight_sync_mode=delta on separate meshes with a bfloat16 model (Megatron trains
+in bf16, fp32 master weights): per learning rate of `--lrs` (the 8B graph's 1e-6, the demo's 2e-4),
+a fresh run takes `--repeats` training steps (Adam; with rewards all zero on a random model the
+gradient is the entropy bonus's), each followed by the delta sync and by a full sync of the same
+version over the same ranks (a plain path), and reports bytes and seconds of both; bit_exact: every
+delta sync verified (CRC32 of each rebuilt bucket, the fingerprints) and the bytes the rollout rank
+holds equal the trainer's (SHA-256 of both). The JSON document is the output's last line.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from siirl_dag.cli.json_stdout import json_stdout  # noqa: E402
 PIPELINE = """\
 name: bench-weight-sync
 cluster: {{nodes: 1, devices_per_node: {devices}, device: cpu}}
-models: {{policy: {{path: {model}, dtype: float32{lora}}}}}
+models: {{policy: {{path: {model}, dtype: {dtype}{lora}}}}}
 data: {{train_files: unused.parquet, train_batch_size: 4, max_prompt_length: 16, max_response_length: 8}}
 meshes:
   train: "megatron:{train}"
@@ -50,9 +59,12 @@ nodes:
   - {{id: advantage, kind: advantage, deps: [reward]}}
   - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
   - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob], mesh: train, model: policy,
-     params: {{mini_batch_size: 4}}}}
-runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}, weight_sync_path: {path}, verify_sync: {verify}}}
+     {update}}}
+runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}, weight_sync_path: {path}, verify_sync: {verify},
+           weight_sync_mode: {mode}}}
 """
+UPDATE = "params: {mini_batch_size: 4}"  # the syncs alone: no step is trained
+ADAM_STEP = "options: {lr: %g, micro_batch_size: 4}, params: {mini_batch_size: 4, entropy_coeff: 0.5}"
 STAGES = ("sync/gather_s", "sync/convert_s", "sync/send_s", "sync/load_s", "sync/wait_s", "sync/handoff_s")
 
 
@@ -118,7 +130,7 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     lora = f", lora: {{rank: {args.lora}, target_modules: [all-linear]}}" if getattr(args, "lora", 0) else ""
     f.write_text(PIPELINE.format(devices=world + (rollout.world_size if rollout else 0), model=model, train=args.train,
                                  gen=gen, bucket_mb=args.bucket_mb, path=args.path, verify=str(not args.no_verify).lower(),
-                                 lora=lora))
+                                 lora=lora, dtype="float32", update=UPDATE, mode="full"))
     runs, copies = [], []
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
         # syncs as after every update: the version moves on, the rollout falls behind
@@ -150,6 +162,75 @@ def run_layout(model: str, layout: str, args, tmp: Path) -> dict:
     return out
 
 
+def _held(worker, pipe: str) -> tuple:
+    """A delta pipe's version and a digest of the bytes it holds (what the engine was last given)."""
+    import hashlib
+
+    end = worker.pipes[pipe]
+    return end.version, hashlib.sha256(b"".join(b.tobytes() for b in end.bases)).hexdigest()
+
+
+def prompts(first: int, n: int = 4):
+    from siirl_dag.runtime import Batch
+
+    ids = range(first, first + n)
+    return Batch(meta={"raw_prompt": [f"Q: {i}+{i + 1}=? A:" for i in ids], "uid": [str(i) for i in ids],
+                       "data_source": ["demo/arith"] * n, "ground_truth": [str(2 * i + 1) for i in ids]})
+
+
+def run_delta(model: str, lr: float, args, tmp: Path) -> dict:
+    """One run at `lr`: after each training step a delta sync, then a full one of the same version."""
+    import dataclasses
+
+    from siirl_dag.config import load_pipeline
+    from siirl_dag.runtime import Runtime
+
+    f = tmp / f"delta-{lr:g}.yaml"
+    f.write_text(PIPELINE.format(devices=2, model=model, train="d1", gen='"vllm:d1"', bucket_mb=args.bucket_mb,
+                                 path=args.path, verify="true", lora="", dtype="bfloat16", update=ADAM_STEP % lr,
+                                 mode="delta"))
+    rows = []
+    with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
+        delta = rt.weight_syncs.paths["rollout"]
+        full = type(delta)(dataclasses.replace(delta.pair, delta=False))
+        ends = [w for w, _ in rt.roles["actor_update"][:1] + rt.roles["rollout"]]
+        nodes = [n for n in rt.pipe.nodes if n != "rollout"]
+        for step in range(1, args.repeats + 1):
+            rt.run_step(prompts(4 * step), step=step, nodes=["rollout", *nodes])
+            stats = rt.sync_weights(step)
+            trainer, rollout = rt.backend.get([w.__ray_call__.remote(_held, delta.name) for w in ends])
+            t0 = time.perf_counter()
+            plain = full.sync(step)
+            rows.append({"delta_bytes": stats["sync/sent_bytes"], "full_bytes": plain["sync/bytes"],
+                         "delta_s": stats["timing_s/sync_weights"], "full_s": time.perf_counter() - t0,
+                         "encode_s": stats["sync/encode_s"], "decode_s": stats["sync/decode_s"],
+                         "bit_exact": trainer == rollout and trainer[0] == step and stats["sync/delta_fallback"] == 0
+                         and stats["sync/delta_buckets"] == stats["sync/buckets"]})
+        full.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "bit_exact"}
+    return {"lr": lr, "steps": len(rows), "delta_bytes": int(max(r["delta_bytes"] for r in rows)),
+            "full_bytes": int(med["full_bytes"]), "ratio": round(max(r["delta_bytes"] for r in rows) / med["full_bytes"], 4),
+            **{k: round(med[k], 4) for k in ("delta_s", "full_s", "encode_s", "decode_s")},
+            "bit_exact": all(r["bit_exact"] for r in rows)}
+
+
+def main_delta(args, model: str, tmp: Path) -> None:
+    with json_stdout(args.json, indent=None) as emit:
+        results = [run_delta(model, float(lr), args, tmp) for lr in args.lrs.split(",")]
+        params = results[0]["full_bytes"] // 2  # bf16
+        print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M params (bf16); "
+              f"buckets of {args.bucket_mb} MB; path {args.path}; {args.repeats} Adam step(s) per lr")
+        for r in results:
+            print(f"  lr {r['lr']:g}: delta {r['delta_bytes'] / 2**20:.2f} MiB of {r['full_bytes'] / 2**20:.1f} MiB "
+                  f"({100 * r['ratio']:.1f}%) in {1000 * r['delta_s']:.0f} ms (encode {1000 * r['encode_s']:.0f}, "
+                  f"decode {1000 * r['decode_s']:.0f}) vs full {1000 * r['full_s']:.0f} ms; bit-exact {r['bit_exact']}")
+        emit({"model": {"hidden": args.hidden, "layers": args.layers, "params": params, "dtype": "bfloat16"},
+              "bucket_mb": args.bucket_mb, "path": args.path, "results": results,
+              "delta_bytes": max(r["delta_bytes"] for r in results), "full_bytes": results[0]["full_bytes"],
+              "delta_s": max(r["delta_s"] for r in results), "full_s": max(r["full_s"] for r in results),
+              "bit_exact": all(r["bit_exact"] for r in results)})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -165,6 +246,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--no-verify", action="store_true", help="runtime.verify_sync: false")
     ap.add_argument("--lora", type=int, default=0, help="train rank-N adapters on every projection (0: the whole model)")
+    ap.add_argument("--delta", action="store_true", help="delta against full sync, bf16, after Adam steps at --lrs")
+    ap.add_argument("--lrs", default="1e-6,2e-4", help="--delta: the learning rates (the 8B graph's, the demo's)")
     args = ap.parse_args()
     from make_tiny_model import make_tiny_model
 
@@ -173,6 +256,8 @@ def main() -> None:
         model = make_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
                                 num_heads=heads, num_kv_heads=max(1, heads // 4), intermediate_size=args.hidden * 3,
                                 arch="qwen3_moe" if args.experts else "qwen2", num_experts=args.experts)
+        if args.delta:
+            return main_delta(args, model, Path(tmp))
         results = [run_layout(model, layout, args, Path(tmp)) for layout in args.layouts.split(",")]
         params = results[0]["bytes"] // 4  # fp32
         if args.json:

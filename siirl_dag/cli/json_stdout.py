@@ -16,18 +16,19 @@ from typing import Any, Callable, Iterator
 
 
 @contextlib.contextmanager
-def json_stdout(enabled: bool = True) -> Iterator[Callable[[Any], None]]:
-    """Yields `emit(document)`, which writes the document as JSON to the real stdout. Enabled, all
-    other output to stdout meanwhile goes to stderr; not enabled, nothing is redirected."""
+def json_stdout(enabled: bool = True, indent: int | None = 2) -> Iterator[Callable[[Any], None]]:
+    """Yields `emit(document)`, which writes the document as JSON to the real stdout (on one line with
+    `indent` None). Enabled, all other output to stdout meanwhile goes to stderr; not enabled, nothing
+    is redirected."""
     if not enabled:
-        yield lambda document: print(json.dumps(document, indent=2))
+        yield lambda document: print(json.dumps(document, indent=indent))
         return
     sys.stdout.flush()
     real = os.fdopen(os.dup(1), "w")
     before, sys.stdout = sys.stdout, sys.stderr  # (line-buffered: lines show as they come)
     os.dup2(2, 1)
     try:
-        yield lambda document: print(json.dumps(document, indent=2), file=real, flush=True)
+        yield lambda document: print(json.dumps(document, indent=indent), file=real, flush=True)
     finally:
         before.flush()  # what a library wrote to the stream it held goes to stderr, like the rest
         os.dup2(real.fileno(), 1)

@@ -16,5 +16,6 @@ class LocalPipe(deque):
 class InProcess(Streamed):
     def _open(self) -> LocalPipe:
         pipe, backend = LocalPipe(), self.pair.backend
-        backend.get([backend.call(worker, SyncRank.open_pipe, self.name, lambda: pipe, self.pair.delta) for worker in self.members])
+        backend.get([backend.call(worker, SyncRank.open_pipe, self.name, lambda: pipe, self.pair.delta)
+                     for worker in self.members])
         return pipe

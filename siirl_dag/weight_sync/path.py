@@ -114,7 +114,8 @@ class Streamed:
             self.synced = True
             stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]
             stats.update({stat: max(load[stat] for load in loads)  # the slowest rollout rank
-                          for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s", "sync/decode_s") if stat in loads[0]})
+                          for stat in ("sync/wait_s", "sync/load_s", "sync/verify_s", "sync/decode_s")
+                          if stat in loads[0]})
             if pair.delta:
                 stats["sync/delta_fallback"] = 0
             return stats

@@ -18,7 +18,7 @@ one rank), convert (into HF's layout: splitting fused q/k/v and gate/up), send (
 buckets over, including any wait for a slower reader), load (vLLM's loader), wait (the rollout idle
 for lack of a bucket; export and load overlap bucket by bucket), handoff (colocated: all of it).
 
-`--delta`: runtime.weight_sync_mode=delta on separate meshes with a bfloat16 model (Megatron trains
+`--delta`: weight_sync.mode=delta on separate meshes with a bfloat16 model (Megatron trains
 in bf16, fp32 master weights): per learning rate of `--lrs` (the 8B graph's 1e-6, the demo's 2e-4),
 a fresh run takes `--repeats` training steps (Adam; with rewards all zero on a random model the
 gradient is the entropy bonus's), each followed by the delta sync and by a full sync of the same
@@ -60,8 +60,8 @@ nodes:
   - {{id: old_logprob, kind: logprob, deps: [rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
   - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob], mesh: train, model: policy,
      {update}}}
-runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}, weight_sync_path: {path}, verify_sync: {verify},
-           weight_sync_mode: {mode}}}
+runtime: {{backend: ray, weight_sync_bucket_mb: {bucket_mb}, weight_sync_path: {path}, verify_sync: {verify}}}
+weight_sync: {{mode: {mode}}}
 """
 UPDATE = "params: {mini_batch_size: 4}"  # the syncs alone: no step is trained
 ADAM_STEP = "options: {lr: %g, micro_batch_size: 4}, params: {mini_batch_size: 4, entropy_coeff: 0.5}"

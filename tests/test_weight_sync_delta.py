@@ -1,4 +1,4 @@
-"""Delta weight sync (runtime.weight_sync_mode=delta): bf16 buckets rebuilt bit for bit from their XOR
+"""Delta weight sync (weight_sync.mode=delta): bf16 buckets rebuilt bit for bit from their XOR
 deltas; the in-process path sends deltas after a first full sync and heals a dropped bucket or a
 missed version with a full sync; the route table's choice of mode; and through the real stack
 (a Megatron rank, a vLLM engine, over shared memory and a gloo group, the model or LoRA adapters):
@@ -180,7 +180,7 @@ def test_the_mode_is_chosen_per_route_and_shown_and_a_bad_one_is_refused_at_its_
     colocated = BASE.replace("  - {id: reward,", "  - {id: colo_rollout, kind: rollout, mesh: colo, model: policy, "
                              "weights_from: actor_update}\n  - {id: reward,").replace(
         "  train: megatron:d2\n", "  train: megatron:d2\n  colo: {alloc: vllm:d2, colocate_with: train}\n")
-    text = colocated + "runtime: {backend: ray, weight_sync_mode: delta}\n"
+    text = colocated + "runtime: {backend: ray}\nweight_sync: {mode: delta}\n"
     by_rollout = {r["rollout"]: r for r in routes_json(load_pipeline(write(tmp_path, text)))}
     assert (by_rollout["rollout"]["path"], by_rollout["rollout"]["mode"]) == ("shared_memory", "delta")
     assert by_rollout["colo_rollout"]["mode"] == "full" and "in process" in by_rollout["colo_rollout"]["mode_reason"]
@@ -190,11 +190,11 @@ def test_the_mode_is_chosen_per_route_and_shown_and_a_bad_one_is_refused_at_its_
     shown = {r["rollout"]: r["mode"] for r in json.loads(out)["pipeline"]["weight_sync"]}
     assert code == 0 and shown == {"rollout": "delta", "colo_rollout": "full"}
 
-    bad = BASE + "runtime:\n  weight_sync_mode: fast\n"
+    bad = BASE + "weight_sync:\n  mode: fast\n"
     (p,) = problems(tmp_path, bad)
-    assert p.path == ("runtime", "weight_sync_mode") and p.line == len(bad.splitlines())
+    assert p.path == ("weight_sync", "mode") and p.line == len(bad.splitlines())
     code, _, err = cli(capsys, "validate", str(write(tmp_path, bad)))
-    assert code == 2 and f"p.yaml:{p.line}:" in err and "runtime.weight_sync_mode: " in err
+    assert code == 2 and f"p.yaml:{p.line}:" in err and "weight_sync.mode: " in err
 
 
 # --- through the real stack -------------------------------------------------------------------------------
@@ -214,7 +214,8 @@ nodes:
   - {{id: actor_update, kind: actor_update, deps: [advantage, old_logprob], mesh: train, model: policy,
      options: {{lr: {lr}, micro_batch_size: 2}}, params: {{mini_batch_size: 4, entropy_coeff: 0.5}}}}
 runtime: {{backend: ray, cpus_per_rank: 0.5, weight_sync_bucket_mb: 0.05, weight_sync_path: {path},
-           weight_sync_mode: delta, verify_probe_every: 1}}
+           verify_probe_every: 1}}
+weight_sync: {{mode: delta}}
 """
 LORA = ", lora: {rank: 8, alpha: 16, target_modules: [all-linear]}"
 

@@ -14,7 +14,7 @@ from siirl_dag.config import door, roll_compat, schedule, schema
 from siirl_dag.models import lora
 from siirl_dag.config.overrides import apply_overrides
 from siirl_dag.config.pipeline import (DataSpec, MeshSpec, ModelSpec, NodeSpec, Pipeline, RuntimeSpec, TrainerSpec,
-                                      vocabulary_differs)
+                                      WeightSyncSpec, vocabulary_differs)
 from siirl_dag.config.yaml_loader import load_yaml, locate
 from siirl_dag.errors import ConfigError, Problem
 from siirl_dag import dataflow
@@ -368,7 +368,8 @@ def load_pipeline(path: str | Path, overrides: list[str] = (), *, for_run: bool 
         data=DataSpec(**{**data, "train_files": files(data["train_files"]), "val_files": files(data.get("val_files"))}),
         meshes=meshes, nodes=nodes, kinds={k: kinds[k] for k in nodes}, graph=graph,
         trainer=TrainerSpec(**{**doc["trainer"], "logger": tuple(doc["trainer"]["logger"])}),
-        runtime=RuntimeSpec(**doc["runtime"]), positions=positions, touched=touched,
+        runtime=RuntimeSpec(**doc["runtime"]),
+        weight_sync=WeightSyncSpec(**doc["weight_sync"]), positions=positions, touched=touched,
     )
     if _errors(problems):  # a LoRA block that does not fit its model
         raise ConfigError(located(problems))

@@ -177,12 +177,16 @@ class RuntimeSpec:
     partial_rollout: bool  # generate in segments; weights may change between them (trainer/schedules/overlapped.py)
     partial_rollout_tokens: int
     weight_sync_path: str  # auto, shared_memory or process_group (weight_sync.routes)
-    weight_sync_mode: str  # full or delta (weight_sync.routes, weight_sync.delta)
     verify_sync: bool
     verify_probe_every: int
     weight_sync_bucket_mb: float
     cpus_per_rank: float
     stop_grace_s: float
+
+
+@dataclass(frozen=True)
+class WeightSyncSpec:
+    mode: str  # full or delta, on the routes that move bytes (weight_sync.routes, weight_sync.delta)
 
 
 @dataclass
@@ -198,6 +202,7 @@ class Pipeline:
     graph: nx.DiGraph
     trainer: TrainerSpec
     runtime: RuntimeSpec
+    weight_sync: WeightSyncSpec
     plan: Plan | None = None
     memory: MemoryPlan | None = None  # GiB per device (placement.memory); None without placement
     warnings: list[Problem] = field(default_factory=list)

@@ -18,7 +18,7 @@ Reading path:
   logic (export, buckets, pipe, engine load), on the engines' protocols (`strategies.engines`).
 - `fingerprints` and `probe`: verified sync (runtime.verify_sync): the tensors sent, then what the
   engines compute with.
-- `delta`: runtime.weight_sync_mode=delta on the paths that move bytes: a path's pipe wrapped on each
+- `delta`: weight_sync.mode=delta on the paths that move bytes: a path's pipe wrapped on each
   member, sending each bucket as the compressed XOR against the version the rollout holds.
 
 The rollout refuses to generate with weights older than the trainer's version minus

@@ -1,4 +1,4 @@
-"""Delta weight sync (runtime.weight_sync_mode=delta, on the paths that move bytes: `routes`): after a
+"""Delta weight sync (weight_sync.mode=delta, on the paths that move bytes: `routes`): after a
 first full sync, each bucket travels as the zstd-compressed XOR of its bytes against the bytes of the
 same bucket at the version before. A small step leaves most bits of most weights as they were (bf16
 weights after an Adam step at lr 1e-6 barely change at all), so the XOR is mostly zero bytes and

@@ -3,7 +3,7 @@ per trainer -> rollout pair when the run starts, and by `plan` and `validate --j
 
 The first row whose rule holds gives the pair its path; a new path is one file (a `SyncPath`) plus
 one row. `runtime.weight_sync_path` may ask for a path between separate meshes; one that cannot
-serve the pair is refused at the door (`problems`). `runtime.weight_sync_mode=delta` sends deltas
+serve the pair is refused at the door (`problems`). `weight_sync.mode=delta` sends deltas
 (`delta`) on the rows that move bytes; the others hand tensors over in process and stay full.
 """
 
@@ -27,7 +27,7 @@ class Pair:
     device: str  # "cpu" or "cuda"
     machines: int  # machines of the trainer's rank 0 and every rollout rank
     requested: str  # runtime.weight_sync_path: auto, shared_memory or process_group
-    mode: str = "full"  # runtime.weight_sync_mode: full or delta
+    mode: str = "full"  # weight_sync.mode: full or delta
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Route:
     payload: str = "model"  # what travels: models.lora.payload
     payload_reason: str = "the model's weights"
     mode: str = "full"  # what each sync sends: every tensor, or after a first full sync a delta (`delta`)
-    mode_reason: str = "runtime.weight_sync_mode=full: every tensor at every sync"
+    mode_reason: str = "weight_sync.mode=full: every tensor at every sync"
 
 
 def _colocated(p: Pair) -> str | None:
@@ -87,7 +87,7 @@ def pair_of(pipe: Any, rollout: str) -> Pair:
     machines = {src.ranks[0].machine} | {slot.machine for slot in dst.ranks}
     colocated = src.anchor == dst.anchor
     return Pair(trainer, rollout, colocated, pipe.runtime.backend, pipe.cluster.device, len(machines),
-                pipe.runtime.weight_sync_path, pipe.runtime.weight_sync_mode)
+                pipe.runtime.weight_sync_path, pipe.weight_sync.mode)
 
 
 def _mode(row: Row, p: Pair) -> tuple[str, str]:
@@ -96,7 +96,7 @@ def _mode(row: Row, p: Pair) -> tuple[str, str]:
         return Route.mode, Route.mode_reason
     if not row.moves_bytes:
         return "full", "tensors handed over in process: no bytes for a delta to save, only its work added"
-    return "delta", ("runtime.weight_sync_mode=delta: after a full sync, each bucket as the compressed XOR "
+    return "delta", ("weight_sync.mode=delta: after a full sync, each bucket as the compressed XOR "
                      "against the version the engines hold, checked bit for bit")
 
 

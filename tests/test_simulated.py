@@ -70,6 +70,21 @@ def structure(tmp_path: Path, model: str, data: Path, backend: str) -> dict:
 
 
 @pytest.mark.engines
+def test_a_simulated_rank_answers_every_call_as_a_real_rank_takes_it():
+    """The driver calls a simulated rank with the arguments it gives a real one (RankWorker's sync and
+    step methods): a parameter added on one side only fails here, not at 1,024 simulated ranks."""
+    import inspect
+
+    from siirl_dag.runtime.simulated import SimulatedRank
+    from siirl_dag.runtime.worker import RankWorker
+
+    shared = [name for name in vars(SimulatedRank) if not name.startswith("_") and callable(getattr(RankWorker, name, None))]
+    assert {"open_pipe", "send_weights", "receive_weights", "run"} <= set(shared)
+    for name in shared:
+        real, simulated = inspect.signature(getattr(RankWorker, name)), inspect.signature(getattr(SimulatedRank, name))
+        assert list(real.parameters) == list(simulated.parameters), name
+
+
 def test_a_simulated_run_takes_the_steps_of_a_real_one(tmp_path, tiny_model_dir, demo_data):
     real = structure(tmp_path, tiny_model_dir, demo_data, "local")
     simulated = structure(tmp_path, tiny_model_dir, demo_data, "simulated")

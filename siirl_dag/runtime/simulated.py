@@ -84,10 +84,11 @@ class SimulatedRank:
         shard = SimulatedShard(keys, rows, version or 0, data.max_response_length) if role.output_rank else None
         return shard, info
 
-    def open_pipe(self, name: str, make) -> "SimulatedPipe":
+    def open_pipe(self, name: str, make, delta: bool = False) -> "SimulatedPipe":
         return SimulatedPipe()  # `make` would build a real channel or group: not here
 
-    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool, payload: str) -> dict:
+    def send_weights(self, engine_key: str, pipe: str, bucket_bytes: int, verify: bool, payload: str, version: int,
+                     full: bool = False) -> dict:
         return {}
 
     def receive_weights(self, engine_key: str, version: int, pipe: str, verify: bool, payload: str) -> dict:

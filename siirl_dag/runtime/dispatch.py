@@ -34,6 +34,10 @@ from siirl_dag.weight_sync.syncs import WeightSyncs
 from siirl_dag.weight_sync.versions import WeightVersions
 
 COMPUTE_WORKERS = 2  # single-threaded actors for compute nodes; independent ones run on different actors
+# the collector's thresholds while steps run: a step makes and drops millions of objects at thousands of
+# ranks, and Python's (700, 10, 10) would walk them in full every few thousand (a third of the driver's
+# time at 4,096 simulated ranks, docs/BENCHMARKS.md); refcounting frees them, cycles wait a little longer
+STEP_GC_THRESHOLD = (50_000, 20, 20)
 
 
 class Runtime:
@@ -42,6 +46,7 @@ class Runtime:
         (a resume loads the checkpoint there, so the rollouts are synced once, to its weights).
         `log_dir`: the folder every rank process logs to, a file each (None: they print as they go)."""
         self.pipe, self.progress, self.on_built, self.log_dir = pipeline, progress, on_built, log_dir
+        self._gc_threshold = gc.get_threshold()  # restored at shutdown (start raises it for the steps)
         self.backend = import_ref(BACKENDS[pipeline.runtime.backend])(pipeline, address, log_dir)
         self.workers: dict[str, list] = {}  # anchor mesh (or COMPUTE) -> workers by rank
         self.roles: dict[str, list[tuple]] = {}  # node id -> [(worker, RoleSpec)]
@@ -92,6 +97,7 @@ class Runtime:
         # full collection in a step then walks what the steps made, not what grows with the rank count
         gc.collect()
         gc.freeze()
+        gc.set_threshold(*STEP_GC_THRESHOLD)
         if self.on_built:
             self.on_built(self)
         # every consumer starts from its trainer's own weights (a rollout with load_format dummy has none)
@@ -334,6 +340,7 @@ class Runtime:
             self.workers.clear()
             self.backend.shutdown()
             gc.unfreeze()  # what start froze is the collector's again (a process may start another runtime)
+            gc.set_threshold(*self._gc_threshold)
 
     def _unfinished(self, calls: list, deadline: float) -> list:
         """The calls still running at `deadline` (one that failed is finished: dead, or stuck, the

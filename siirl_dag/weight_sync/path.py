@@ -106,10 +106,11 @@ class Streamed:
             try:
                 results = wait_all(backend, calls)
             except Exception as exc:  # noqa: BLE001 - a rank's error, re-raised unless a delta did not verify
-                if not (deltas and isinstance(getattr(exc, "cause", None) or exc, SyncMismatch)):
+                cause = getattr(exc, "cause", None) or exc  # Ray wraps the rank's exception
+                if not (deltas and isinstance(cause, SyncMismatch)):
                     raise
                 log.warning("weight sync %s -> %s: the delta to version %d did not verify (%s); sending it in full",
-                            pair.trainer, pair.rollout, version, getattr(exc, "cause", None) or exc)
+                            pair.trainer, pair.rollout, version, cause)
                 return {**self.start(version, full=True)(), "sync/delta_fallback": 1}
             self.synced = True
             stats, loads = dict(results[len(walkers)]), results[len(walkers) + 1:]

@@ -119,7 +119,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, log_to_dri
                       # Ray batches object frees for up to 1 s, so every step's outputs
                       # land on untouched shared memory and pay its page faults (up to 10x
                       # a warm copy on a VM); freed promptly, the store reuses warm pages
-                      _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS})
+                      _system_config={"free_objects_period_milliseconds": FREE_OBJECTS_PERIOD_MS,
+                                      # idle workers started ahead go unused: every actor here carries
+                                      # its own runtime env (OMP_NUM_THREADS), so each starts its own process
+                                      "prestart_worker_first_driver": False, "enable_worker_prestart": False})
     stuck = threading.Timer(RAY_START_S, _stuck_starting)
     stuck.daemon = True
     stuck.start()

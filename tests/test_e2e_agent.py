@@ -1,7 +1,9 @@
 """agent_rollout through the real stack (vLLM turns, the calculator, Megatron, Ray): a model warm-started
-to call the calculator calls it, and the trainer's log-probs over rows with the tool's answers masked
-equal vLLM's (token in, token out: nothing re-tokenized, nothing shifted); a user's own agent trains
-through the shipped openai graph, its failed episodes lost and counted, the run going on."""
+to call the calculator calls it, one step off (the next step's episodes run while this one trains), and the
+trainer's log-probs over rows with the tool's answers masked equal vLLM's (token in, token out: nothing
+re-tokenized, nothing shifted); a user's own agent trains through the shipped openai graph, its failed
+episodes lost and counted, the run going on; the endpoint and framework agents sample what the engine's
+own tool loop samples."""
 
 from __future__ import annotations
 
@@ -68,21 +70,19 @@ def test_a_users_own_agent_trains_through_the_openai_graph(tmp_path, agent_task)
     assert "val-core/demo/agent_sum/acc" in steps["2"]
 
 
-def test_agent_pipeline_calls_tools_and_trains_on_the_models_tokens(tmp_path, agent_task):
-    steps = run_agent(tmp_path, agent_task, "trainer.log_trajectories=3")
-    for step in steps.values():
-        assert step["rollout_corr/log_ppl_abs_diff"] < 1e-4  # the trainer's log-probs are vLLM's, tool spans masked
+def test_agent_pipeline_calls_tools_one_step_off_and_trains_on_the_models_tokens(tmp_path, agent_task):
+    """The next step's agent rollouts (tool calls included) run while this step trains; the trainer's
+    log-probs over rows with the tool's answers masked are vLLM's."""
+    steps = run_agent(tmp_path, agent_task, "runtime.schedule=one_step_off", "runtime.staleness=1",
+                      "trainer.log_trajectories=3")
+    assert [steps[s]["async/staleness/max"] for s in ("1", "2")] == [0, 1]
+    # step 1's samples come from the weights it trains (staleness 0), step 2's from one version older by design
+    assert steps["1"]["rollout_corr/log_ppl_abs_diff"] < 1e-4  # the trainer's log-probs are vLLM's, tool spans masked
     logged = [json.loads(line) for line in (tmp_path / "outputs/agent/e2e/trajectories.jsonl").read_text().splitlines()]
     assert len(logged) == 3 and all(row["step"] == 2 and row["prompt"] and row["response"] for row in logged)
     assert any(part["by"] == "tool" for row in logged for part in row["response"])  # an observation, not trained on
     assert all(row["model_tokens"] > 0 and (row["tool_tokens"] > 0) == any(p["by"] == "tool" for p in row["response"])
                for row in logged)
-
-
-def test_agent_rollouts_one_step_off(tmp_path, agent_task):
-    """The next step's agent rollouts (tool calls included) run while this step trains."""
-    steps = run_agent(tmp_path, agent_task, "runtime.schedule=one_step_off", "runtime.staleness=1")
-    assert [steps[s]["async/staleness/max"] for s in ("1", "2")] == [0, 1]
 
 
 def _warm_rollouts(task: Path) -> dict:

@@ -55,7 +55,7 @@ def test_two_agents_train_one_step_off_with_their_names_and_checkpoints(tmp_path
     step = tmp_path / "ckpt" / "global_step_2"
     for trainer in ("solver_update", "reviewer_update"):
         assert (step / trainer / "metadata.json").is_file() and (step / f"{trainer}.hf" / "config.json").is_file()
-    # a third step, under async, resumes both policies (and the batch generated ahead) from step 2's checkpoint
+    # a third step, under async, resumes both policies from the checkpoint one_step_off wrote at step 2
     resumed = run_graph(tmp_path, "tiny_two_agents_cpu", TWO_AGENTS, tiny_model_dir, demo_data, *TWO_AGENTS_BATCHES,
                         "runtime.schedule=async", "trainer.total_steps=3", "trainer.resume_mode=auto",
                         "trainer.val_before_train=false")

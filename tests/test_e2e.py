@@ -1,5 +1,6 @@
 """GRPO end to end through the real stack (vLLM rollout, Megatron actor/ref, Ray, weight sync),
-and exact resume on the local runtime. Each run is a real `python -m siirl_dag.main` process."""
+exact resume on the local runtime, and runtime.schedule=async with staleness 0 giving the sync
+schedule's metrics. Each run is a real `python -m siirl_dag.main` process."""
 
 from __future__ import annotations
 
@@ -152,3 +153,16 @@ def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo
     (failed,) = [line for line in res.stderr.splitlines() if line.startswith("[run] failed: ")]
     assert failed.startswith(f"[run] failed: resuming from {checkpoint}: node 'actor_update' could not load "
                              f"{checkpoint / 'actor_update'} ("), failed
+
+
+def test_async_with_staleness_zero_is_the_sync_schedule(tmp_path, tiny_model_dir, demo_data, four_steps):
+    """Compared with the first two steps of `four_steps` (the sync schedule, same pipeline and data), so
+    that only the async run is started here."""
+    sync = four_steps[1]["steps"]
+    zero = parsed(launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.total_steps=2", *QUICK,
+                         "runtime.schedule=async", "runtime.staleness=0"))["steps"]
+    assert set(zero) == {"1", "2"}
+    for step in ("1", "2"):
+        assert zero[step]["async/staleness/max"] == 0
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/ppo_kl"):
+            assert zero[step][key] == sync[step][key], (step, key)

@@ -37,6 +37,8 @@ runtime: {{backend: {backend}}}
 """
 SEPARATE = '  gen: "vllm:d1"\n  train: "megatron:d1"\n  ref: {alloc: "megatron:d1", colocate_with: train}'
 COLOCATED = '  train: "megatron:d1"\n  gen: {alloc: "vllm:d1", colocate_with: train}\n  ref: {alloc: "megatron:d1", colocate_with: train}'
+# the metrics two runs that must train alike are compared on
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/ppo_kl")
 METRICS = ["critic/score/mean", "critic/advantages/mean", "response_length/mean", "prompt_length/mean", "actor/pg_loss", "actor/pg_clipfrac",
            "actor/ppo_kl", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing_s/rollout",
            "timing_s/actor_update", "timing_s/step", "timing_s/sync_weights", "perf/throughput", "val-core/demo/arith/acc"]
@@ -164,5 +166,5 @@ def test_async_with_staleness_zero_is_the_sync_schedule(tmp_path, tiny_model_dir
     assert set(zero) == {"1", "2"}
     for step in ("1", "2"):
         assert zero[step]["async/staleness/max"] == 0
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/ppo_kl"):
+        for key in COMPARED:
             assert zero[step][key] == sync[step][key], (step, key)

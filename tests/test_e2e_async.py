@@ -14,11 +14,10 @@ import pytest
 import test_e2e
 from siirl_dag.main import main
 from siirl_dag.visualize import timeline
-from test_e2e import QUICK, SEPARATE, launch, parsed
+from test_e2e import COMPARED, QUICK, SEPARATE, launch, parsed
 
 ONE_STEP_OFF = ("runtime.schedule=one_step_off", "runtime.staleness=1", *QUICK)
 ASYNC_2 = ("runtime.schedule=async", "runtime.staleness=2", *QUICK)
-COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "actor/ppo_kl")
 
 
 def trace_spans(path) -> list[dict]:

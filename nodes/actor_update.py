@@ -121,14 +121,16 @@ def actor_update(batch, ctx):
     count keeps them, and batch normalization is the micro batch's)."""
     from nodes.algos.losses import ppo_actor_loss
     from nodes.algos.rollout_corr import correct
+    from nodes.algos.rollout_corr_metrics import logprob_diff_metrics
 
     p, settings = ctx.params, correction(ctx.params)
     mode = p["old_logprobs"]
     if settings and mode == "input":  # this rank's rows; batch normalization over all ranks' rows
         weights, mask, metrics = correct(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
                                          **settings, group=ctx.engine.dp_group)
+        ctx.metrics.update(metrics | logprob_diff_metrics(batch["old_logprobs"], batch["rollout_logprobs"],
+                                                          batch["response_mask"]))
         batch = {**batch, "response_mask": mask} | ({} if weights is None else {"rollout_is_weights": weights})
-        ctx.metrics.update(metrics)
     seen = []  # corrected in the loss: each micro batch's (log-probs, rollout log-probs, mask), for the metrics
 
     def loss_fn(logprobs, entropy, mb, totals):
@@ -150,7 +152,8 @@ def actor_update(batch, ctx):
                                replay_routes=p["routing_replay"], entropy_grad=p["entropy_coeff"] != 0)
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
     if seen:  # the micro batches' rows, on the last pipeline stage (where the loss is computed)
-        ctx.metrics.update(correct(*(_rows([s[i] for s in seen]) for i in range(3)), **settings)[2])
+        rows = [_rows([s[i] for s in seen]) for i in range(3)]
+        ctx.metrics.update(correct(*rows, **settings)[2] | logprob_diff_metrics(*rows))
     return {}
 
 

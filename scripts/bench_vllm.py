@@ -8,6 +8,12 @@ the time of one in-place weight update.
 
     python scripts/bench_vllm.py [--prompts 32] [--n 1] [--new-tokens 64] [--hidden-size 512] [--num-layers 4]
         [--threads 1] [--json]
+    python scripts/bench_vllm.py --shape qwen3_8b --prompts 32 --n 8 --prompt-tokens 1024 --new-tokens 2048 --json
+
+`--shape qwen3_8b` (for a GPU; qwen3_0.6b also runs on a CPU): a real model's shape (Qwen3-8B with its
+151,936-token vocabulary) with vLLM's random weights (`load_format: dummy`), bf16, prompts of
+`--prompt-tokens` random token ids, and no HF side: the engine's overhead over the library
+(`engine_overhead` = strategy time / raw time) at the size it runs in production. The 8B graph's engine (vllm:d4t2) takes 32 prompts x 8 samples a step.
 
 The default model (13M parameters) is the smallest where the forward pass, not per-step Python,
 decides the speed. On the 0.5M-parameter demo model (--hidden-size 128 --num-layers 2) both
@@ -30,6 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# real models' shapes (head_dim = hidden / heads, as make_tiny_model builds them), vLLM's dummy weights
+SHAPES = {"qwen3_8b": dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288),
+          "qwen3_0.6b": dict(hidden_size=1024, num_layers=28, num_heads=8, num_kv_heads=4, intermediate_size=3072)}
+
+
 def timed(fn) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn()
@@ -46,8 +57,13 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for both engines")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="with --shape other than tiny")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     a = p.parse_args()
+    if a.shape != "tiny":
+        real_shape(a)
+        return
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
 
     import torch
@@ -117,6 +133,60 @@ def main() -> None:
             return
     for key, value in result.items():
         print(f"{key:>18}: {value}")
+
+
+def real_shape(a) -> None:
+    """The strategy against `LLM.generate` on a real model's shape with dummy weights (no HF side)."""
+    import torch
+
+    from make_tiny_model import make_tiny_model
+    from siirl_dag.cli.json_stdout import json_stdout
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+
+    P, R = a.prompt_tokens, a.new_tokens
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(300, 150_000, (P,), generator=g).tolist() for _ in range(a.prompts)]
+    with json_stdout(a.json) as emit, tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(tmp, arch="qwen3", **SHAPES[a.shape], tie_word_embeddings=False,
+                                    vocab_size=151_936, max_positions=P + R, weights=False)
+        cuda = torch.cuda.is_available()
+        engine_start_s, engine = timed(lambda: VllmRollout(
+            RankContext(0, device="cuda" if cuda else "cpu"), model_dir,
+            {"dtype": "bfloat16", "load_format": "dummy", "max_model_len": P + R, "enforce_eager": a.enforce_eager,
+             "gpu_memory_utilization": 0.85, "kv_cache_gb": 4, "max_num_seqs": a.prompts * a.n}))
+        engine._needs_weights = False  # dummy weights are the point here: no sync comes
+
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # the same request on both sides; random weights stop at EOS about once in 150k tokens
+        sampling = {"temperature": 1.0, "n": a.n}
+        raw_params = SamplingParams(n=a.n, temperature=1.0, max_tokens=R, logprobs=0, flat_logprobs=True,
+                                    detokenize=False)
+        ids = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+        def strategy():
+            return int(engine.generate(prompts, sampling, P, R)["response_length"].sum())
+
+        def raw():
+            return sum(len(c.token_ids) for o in engine.llm.generate(ids, raw_params, use_tqdm=False) for c in o.outputs)
+
+        warm_s, _ = timed(lambda: engine.llm.generate(ids[:2], SamplingParams(max_tokens=8), use_tqdm=False))
+        runs = [(timed(strategy), timed(raw)) for _ in range(a.repeats)]
+        best = [min(secs for secs, _ in (run[i] for run in runs)) for i in (0, 1)]
+        tokens = runs[0][0][1]
+        engine.close()
+        result = {"shape": a.shape, "device": torch.cuda.get_device_name() if cuda else "cpu", "prompts": a.prompts,
+                  "n": a.n, "prompt_tokens": P, "new_tokens": R, "enforce_eager": a.enforce_eager,
+                  "generated_tokens": tokens, "strategy_s": round(best[0], 3), "raw_s": round(best[1], 3),
+                  "strategy_tokens_per_s": round(tokens / best[0]), "raw_tokens_per_s": round(tokens / best[1]),
+                  "engine_overhead": round(best[0] / best[1], 3), "engine_start_s": round(engine_start_s, 1)}
+        if a.json:
+            emit(result)
+            return
+    for key, value in result.items():
+        print(f"{key:>22}: {value}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Weight sync on a GPU: the trainer's export (Megatron on CUDA) against a device copy of the same bytes.
 
     python scripts/bench_weight_sync_cuda.py [--json] [--hidden 2048] [--layers 16] [--bf16] [--bucket-mb 512]
-        [--repeats 8] [--layouts colocated,separate]
+        [--repeats 8] [--layouts colocated,separate,vllm]
 
 Builds a random Qwen2-style model, loads it into a real MegatronEngine on the GPU and syncs its weights
 into a rollout's parameters `--repeats` times after one warm-up:
@@ -10,8 +10,11 @@ into a rollout's parameters `--repeats` times after one warm-up:
 - separate: the export cut into buckets (`weight_sync.stream.Buckets`) and broadcast over NCCL
   (`weight_sync.process_group.SyncGroup`) to a second process, which copies each bucket into its
   parameters, on the next GPU (NCCL refuses two ranks on one GPU: with one, this layout says so).
-The rollout is the set of HF-named parameters a rollout engine holds, filled by copies as vLLM's
-loader fills its own: vLLM is not part of this benchmark (its re-fusing of q/k/v is one more copy).
+- vllm: the colocated handoff into a real vLLM engine on the same GPU (`VllmRollout`, started with
+  dummy weights), its own loader fusing q/k/v and gate/up; then the engine's greedy samples scored
+  by Megatron: the log-prob difference of the same weights on both sides (`logprob_diff_after_sync`).
+In the first two the rollout is the set of HF-named parameters a rollout engine holds, filled by
+copies as vLLM's loader fills its own.
 Prints the median sync time, its ratio to a device-to-device copy of the same bytes (target <= 3x),
 and the stages: export (gather + convert: the export walked alone, its GPU work finished) and load
 (the rest: the copies into the rollout's parameters).
@@ -87,6 +90,32 @@ def colocated(engine, args) -> dict:
     export = statistics.median(_export_s(engine) for _ in range(args.repeats))
     return _result("colocated", "in-process handoff", times, copies, nbytes,
                    {"export": export, "load": statistics.median(times) - export})
+
+
+def into_vllm(engine, args) -> dict:
+    from siirl_dag.strategies.base import RankContext
+    from siirl_dag.strategies.vllm.rollout import VllmRollout
+    from siirl_dag.weight_sync.stream import handoff
+
+    rollout = VllmRollout(RankContext(0, device="cuda"), args.model, {
+        "dtype": "bfloat16" if args.bf16 else "float32", "load_format": "dummy", "max_model_len": 64,
+        "enforce_eager": True, "gpu_memory_utilization": args.vllm_memory})
+    handoff(engine, rollout, 1, "model")  # warm-up; the dummy weights replaced
+    times, copies, nbytes = [], [], 0
+    for version in range(2, args.repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = handoff(engine, rollout, version, "model")
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        nbytes = stats["sync/bytes"]
+        copies.append(device_copy_s(nbytes, 3))
+    batch = rollout.generate(["Q: 12+30=? A:", "Q: 7+58=? A:", "Q: 91+4=? A:", "Q: 33+33=? A:"], {"greedy": True}, 16, 16)
+    diff = (engine.compute_logprobs(batch)["logprobs"].cpu() - batch["rollout_logprobs"]).abs()[batch["response_mask"].bool()]
+    rollout.close()
+    return {**_result("vllm", "in-process handoff into vLLM's loader", times, copies, nbytes, {}),
+            "logprob_diff_after_sync": {"mean": round(diff.mean().item(), 5), "max": round(diff.max().item(), 5),
+                                        "tokens": diff.numel()}}
 
 
 def _export_s(engine) -> float:
@@ -172,7 +201,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="train in bfloat16 (the export is then bfloat16)")
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--layouts", default="colocated,separate")
+    ap.add_argument("--layouts", default="colocated,separate,vllm")
+    ap.add_argument("--vllm-memory", type=float, default=0.2, help="the vllm layout's gpu_memory_utilization")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_weight_sync_cuda.py needs a CUDA GPU; scripts/bench_weight_sync.py measures the CPU sync")
@@ -185,13 +215,14 @@ def main() -> None:
         t0 = time.perf_counter()
         model = make_tiny_model(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
                                 num_heads=heads, num_kv_heads=max(1, heads // 4), intermediate_size=args.hidden * 3)
-        engine = _engine(model, args.bf16)
+        engine, args.model = _engine(model, args.bf16), model
         print(f"[bench] model built and loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        runs = {"colocated": colocated, "separate": separate}
+        runs = {"colocated": colocated, "separate": separate, "vllm": into_vllm}
         results = [runs[layout](engine, args) for layout in args.layouts.split(",")]
     report = {"device": torch.cuda.get_device_name(), "model": {"hidden": args.hidden, "layers": args.layers,
               "dtype": "bfloat16" if args.bf16 else "float32"}, "bucket_mb": args.bucket_mb, "results": results}
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a vLLM engine's shutdown destroys the default group itself
+        dist.destroy_process_group()
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -203,7 +234,8 @@ def main() -> None:
         stages = ", ".join(f"{k} {1000 * v:.1f}" for k, v in r["stages_s"].items())
         print(f"{r['layout']:>11} ({r['transport']}): {r['bytes'] / 2**20:.0f} MiB in {1000 * r['sync_s']:.1f} ms "
               f"(median; best {1000 * r['sync_min_s']:.1f}; {r['sync_GBps']} GB/s) = {r['ratio_to_device_copy']:.2f}x "
-              f"a device copy ({1000 * r['device_copy_s']:.1f} ms; target <= 3x)" + (f"; stages ms: {stages}" if stages else ""))
+              f"a device copy ({1000 * r['device_copy_s']:.1f} ms; target <= 3x)" + (f"; stages ms: {stages}" if stages else "")
+              + (f"; log-prob |megatron - vllm| after it: {r['logprob_diff_after_sync']}" if "logprob_diff_after_sync" in r else ""))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ as a `Qwen2Tokenizer` (byte-level BPE from vocab + merges), so this is the form 
 through AutoTokenizer, vLLM and PreTrainedTokenizerFast for every architecture.
 
     python scripts/make_tiny_model.py OUT_DIR [--arch qwen2|llama|qwen3|qwen3_moe] [--num-experts 4]
+        [--vocab-size N] [--max-positions N] [--no-weights]
+
+`--vocab-size` pads the model's vocabulary beyond the tokenizer's (as real checkpoints pad theirs: a
+real model's embedding and sampling cost); `--no-weights` writes the config and tokenizer only, for
+an engine that makes its own random weights (vLLM's `load_format: dummy`, a model too large to
+initialize here).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def make_tokenizer() -> Qwen2Tokenizer:
 
 
 def make_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                intermediate_size, tie_word_embeddings, num_experts, special_ids):
+                intermediate_size, tie_word_embeddings, num_experts, special_ids, max_positions=1024):
     if arch not in CONFIGS:
         raise ValueError(f"arch {arch!r} is not one of {sorted(CONFIGS)}")
     head_dim = hidden_size // num_heads
@@ -64,7 +70,7 @@ def make_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_hea
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=1024, dtype="float32", **special_ids,
+        max_position_embeddings=max_positions, dtype="float32", **special_ids,
     )
     if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = head_dim
@@ -75,8 +81,10 @@ def make_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_hea
 
 
 def make_tiny_model(out_dir, arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                    intermediate_size=512, tie_word_embeddings=True, num_experts=0, seed=0) -> str:
-    """Write a random-init model (safetensors, fp32) and its tokenizer to `out_dir`; return the path."""
+                    intermediate_size=512, tie_word_embeddings=True, num_experts=0, seed=0, vocab_size=None,
+                    max_positions=1024, weights=True) -> str:
+    """Write a random-init model (safetensors, fp32; the config alone without `weights`) and its
+    tokenizer to `out_dir`; return the path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()
@@ -85,14 +93,20 @@ def make_tiny_model(out_dir, arch="qwen2", hidden_size=128, num_layers=2, num_he
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.bos_token_id,
     }
-    config = make_config(arch, len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads,
-                         intermediate_size, tie_word_embeddings, num_experts, special_ids)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config = make_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads,
+                         intermediate_size, tie_word_embeddings, num_experts, special_ids, max_positions)
+    tokenizer.save_pretrained(out)
+    if not weights:  # the architecture save_pretrained would record, by which engines pick the model class
+        config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        config.save_pretrained(out)
+        return str(out)
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     return str(out)
 
 
@@ -108,10 +122,14 @@ def main() -> None:
     p.add_argument("--untied", action="store_true", help="separate lm_head instead of tied embeddings")
     p.add_argument("--num-experts", type=int, default=None, help="default: 4 for qwen3_moe, else 0")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's; more pads it")
+    p.add_argument("--max-positions", type=int, default=1024)
+    p.add_argument("--no-weights", action="store_true", help="config and tokenizer only (vLLM load_format dummy)")
     a = p.parse_args()
     num_experts = a.num_experts if a.num_experts is not None else (4 if a.arch == "qwen3_moe" else 0)
     path = make_tiny_model(a.out_dir, a.arch, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads,
-                           a.intermediate_size, not a.untied, num_experts, a.seed)
+                           a.intermediate_size, not a.untied, num_experts, a.seed, a.vocab_size, a.max_positions,
+                           not a.no_weights)
     print(path)
 
 

@@ -100,3 +100,15 @@ def test_rs_thresholds_refused(options, spec, says):
 def test_unknown_rs_option_listed():
     with pytest.raises(ValueError, match="'seq_max_k1'.*expected one or more of token_k1"):
         parse_rs("token_k1,seq_max_k1")
+
+
+def test_logprob_diff_metrics_count_only_the_response_tokens():
+    from nodes.algos.rollout_corr_metrics import logprob_diff_metrics
+
+    old = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
+    rollout = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, -0.25, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    metrics = logprob_diff_metrics(old, rollout, mask)
+    assert metrics["training/rollout_logprob_diff_max"] == 0.5  # the padded -9 vs 0 is not counted
+    assert metrics["training/rollout_logprob_diff_mean"] == pytest.approx((0.5 + 0 + 0 + 0.25 + 0.5) / 5)
+    assert logprob_diff_metrics(old, rollout, torch.zeros_like(mask)) == {}

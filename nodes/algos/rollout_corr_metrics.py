@@ -77,3 +77,14 @@ def offpolicy_metrics(old_logprobs, rollout_logprobs, log_ratio, mask) -> dict[s
         "chi2_token": (masked_mean(safe.exp().square(), mask) - 1.0).item(),
         "chi2_seq": ((2.0 * seq_log_ratio).exp().mean() - 1.0).item(),
     }
+
+
+def logprob_diff_metrics(old_logprobs, rollout_logprobs, mask) -> dict[str, float]:
+    """How far the engine's log-probs of the sampled tokens are from the trainer's: |old - rollout| per
+    token, its mean and max (verl's training/rollout_probs_diff_* take the same on probabilities). With
+    the same weights on both sides (a synchronous step after a sync) this is the numerics alone."""
+    valid = mask.bool()
+    diff = (old_logprobs.float() - rollout_logprobs.float()).abs()[valid]
+    if not diff.numel():
+        return {}
+    return {"training/rollout_logprob_diff_mean": diff.mean().item(), "training/rollout_logprob_diff_max": diff.max().item()}

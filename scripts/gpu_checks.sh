@@ -68,22 +68,10 @@ mem_gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | hea
 step gpu1_plan 60 $py -m siirl_dag.main plan graphs/gpu1_grpo.yaml cluster.device_memory_gb="$mem_gb"
 grep -E 'at its peak|fullest' "$logs/gpu1_plan.out" | sort -u | tee -a "$summary"
 step gpu1 240 $py -m siirl_dag.main graphs/gpu1_grpo.yaml --json cluster.device_memory_gb="$mem_gb" \
-    trainer.log_dir="$logs/gpu1_libraries"
-$py - "$logs/gpu1.out" outputs/gpu1-grpo/default/timings.json <<'EOF' 2>&1 | tee -a "$summary"
-import json, sys
-steps = json.load(open(sys.argv[1]))["steps"]
-rows = [steps[k] for k in sorted(steps, key=int)]
-print(f"gpu1: {len(rows)} steps")
-for key in ("training/rollout_logprob_diff_mean", "training/rollout_logprob_diff_max", "rollout_corr/kl",
-            "memory/gen/peak_gb", "memory/actor/peak_gb", "critic/score/mean", "actor/pg_loss"):
-    values = [r[key] for r in rows if key in r]
-    if values:
-        print(f"  {key}: first {values[0]:.4g}, last {values[-1]:.4g}, max {max(values):.4g}")
-for key in sorted(rows[-1]):
-    if key.startswith(("timing", "perf", "sync/")):
-        print(f"  {key}: last {rows[-1][key]:.4g}, mean of steps 2+ {sum(r.get(key, 0) for r in rows[1:]) / max(1, len(rows) - 1):.4g}")
-print("  timings.json:", json.dumps(json.load(open(sys.argv[2]))))
-EOF
+    trainer.log_dir="$logs/gpu1_libraries" trainer.tensorboard_dir="$logs/gpu1_tb"
+# from the run's events, so a run cut short still reports its steps
+$py scripts/gpu_run_summary.py "$logs/gpu1_tb" --memory-csv "$logs/gpu_memory.csv" --plan "$logs/gpu1_plan.out" \
+    2>&1 | tee -a "$summary"
 
 # 2. generation throughput at the 8B graph's per-engine batch (32 prompts x 8), eager
 step vllm_8b 180 $py scripts/bench_vllm.py --shape qwen3_8b --prompts 32 --n 8 --prompt-tokens 1024 \

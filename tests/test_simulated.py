@@ -91,6 +91,7 @@ def test_a_simulated_rank_answers_every_call_as_a_real_rank_takes_it():
         assert parameters(getattr(RankWorker, name)) == parameters(getattr(SimulatedRank, name)), name
 
 
+@pytest.mark.engines  # the real side runs vLLM and Megatron in process
 def test_a_simulated_run_takes_the_steps_of_a_real_one(tmp_path, tiny_model_dir, demo_data):
     real = structure(tmp_path, tiny_model_dir, demo_data, "local")
     simulated = structure(tmp_path, tiny_model_dir, demo_data, "simulated")

@@ -155,7 +155,7 @@ def real_shape(a) -> None:
             RankContext(0, device="cuda" if cuda else "cpu"), model_dir,
             {"dtype": "bfloat16", "load_format": "dummy", "max_model_len": P + R, "enforce_eager": a.enforce_eager,
              "gpu_memory_utilization": 0.85, "kv_cache_gb": 4, "max_num_seqs": a.prompts * a.n}))
-        engine._needs_weights = False  # dummy weights are the point here: no sync comes
+        engine.load_weights(iter(()), 1)  # an empty update: the dummy weights stand as the engine's own
 
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

@@ -2,7 +2,7 @@
 verl's rollout correction (importance weights and rejection, nodes/algos/rollout_corr.py)."""
 
 from nodes import routing
-from nodes.algos.rollout_corr_settings import parse_is_threshold, parse_rs, parse_rs_thresholds
+from nodes.algos.rollout_corr_settings import parse, parse_is_threshold, parse_rs, parse_rs_thresholds
 from nodes.rollout import temperature_differs
 from siirl_dag.errors import Problem
 from siirl_dag.registry import node_kind
@@ -11,7 +11,7 @@ _BASE = ("input_ids", "attention_mask", "position_ids", "responses", "response_m
 
 
 def correction(params) -> dict | None:
-    """The settings of rollout_corr.correct, None where the update corrects nothing."""
+    """The settings of rollout_corr_settings.parse, None where the update corrects nothing."""
     rollout_is = None if params["rollout_is"] == "off" else params["rollout_is"]
     rollout_rs = None if params["rollout_rs"] in (None, "off") else params["rollout_rs"]
     if rollout_is is None and rollout_rs is None:
@@ -123,11 +123,12 @@ def actor_update(batch, ctx):
     from nodes.algos.rollout_corr import correct
     from nodes.algos.rollout_corr_metrics import logprob_diff_metrics
 
-    p, settings = ctx.params, correction(ctx.params)
+    p, raw = ctx.params, correction(ctx.params)
+    settings = parse(**raw) if raw else None  # once, not in every micro batch's loss (the door checked them)
     mode = p["old_logprobs"]
     if settings and mode == "input":  # this rank's rows; batch normalization over all ranks' rows
         weights, mask, metrics = correct(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
-                                         **settings, group=ctx.engine.dp_group)
+                                         settings, group=ctx.engine.dp_group)
         ctx.metrics.update(metrics | logprob_diff_metrics(batch["old_logprobs"], batch["rollout_logprobs"],
                                                           batch["response_mask"]))
         batch = {**batch, "response_mask": mask} | ({} if weights is None else {"rollout_is_weights": weights})
@@ -138,7 +139,7 @@ def actor_update(batch, ctx):
         mask, weights = mb["response_mask"], mb.get("rollout_is_weights")
         if settings and mode != "input":
             seen.append((logprobs.detach(), mb["rollout_logprobs"], mask))
-            weights, mask, _ = correct(*seen[-1], **settings)
+            weights, mask, _ = correct(*seen[-1], settings)
         return ppo_actor_loss(logprobs, old, mb["advantages"], mask, entropy=entropy,
                               ref_logprobs=mb.get("ref_logprobs"), clip_ratio_low=p["clip_ratio_low"],
                               clip_ratio_high=p["clip_ratio_high"], clip_ratio_c=p["clip_ratio_c"],
@@ -153,7 +154,7 @@ def actor_update(batch, ctx):
     ctx.metrics.update({k if "/" in k else f"actor/{k}": v for k, v in metrics.items()})
     if seen:  # the micro batches' rows, on the last pipeline stage (where the loss is computed)
         rows = [_rows([s[i] for s in seen]) for i in range(3)]
-        ctx.metrics.update(correct(*rows, **settings)[2] | logprob_diff_metrics(*rows))
+        ctx.metrics.update(correct(*rows, settings)[2] | logprob_diff_metrics(*rows))
     return {}
 
 

@@ -7,6 +7,7 @@ import torch
 
 from nodes.algos.losses import agg_loss, kl_penalty, policy_loss, ppo_actor_loss, ppo_critic_loss, value_loss
 from nodes.algos.rollout_corr import correct
+from nodes.algos.rollout_corr_settings import parse
 
 # Per-token loss with padding set to 100 so any leak of padding shows up.
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0, 100.0, 100.0, 100.0]])
@@ -192,10 +193,10 @@ def test_rollout_importance_weights_are_truncated_per_token_or_per_sequence():
     old = torch.zeros(1, 3)
     rollout = torch.tensor([[math.log(0.5), math.log(2.0), 7.0]])  # pi_old / pi_rollout = 2, 0.5; padding
     mask = torch.tensor([[1, 1, 0]])
-    token, kept, m = correct(old, rollout, mask, rollout_is="token", rollout_is_threshold=1.5)
+    token, kept, m = correct(old, rollout, mask, parse(rollout_is="token", rollout_is_threshold=1.5))
     torch.testing.assert_close(token, torch.tensor([[1.5, 0.5, 0.0]]))
     assert kept is mask  # no rejection asked for
-    sequence = correct(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=1.5)[0]
+    sequence = correct(old, rollout, mask, parse(rollout_is="sequence", rollout_is_threshold=1.5))[0]
     torch.testing.assert_close(sequence, torch.tensor([[1.0, 1.0, 0.0]]))
     assert m["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)  # log rho = ln 2, -ln 2
     assert m["rollout_corr/k3_kl"] == pytest.approx((2 - math.log(2) - 1 + 0.5 + math.log(2) - 1) / 2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nodes.algos.rollout_corr import correct
-from nodes.algos.rollout_corr_settings import parse_is_threshold, parse_rs, parse_rs_thresholds
+from nodes.algos.rollout_corr_settings import parse, parse_is_threshold, parse_rs, parse_rs_thresholds
 from rollout_corr_golden import SETTINGS, batch, checksums
 
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "rollout_corr_verl.json").read_text())
@@ -20,7 +20,7 @@ GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "rollout_corr_verl.jso
 def test_correct_equals_verl(case):
     old, rollout, mask = batch(case["seed"])
     assert checksums(old, rollout, mask) == case["checksums"]  # this torch draws the fixture's inputs
-    weights, kept, metrics = correct(old, rollout, mask, **{k: case[k] for k in SETTINGS if k in case})
+    weights, kept, metrics = correct(old, rollout, mask, parse(**{k: case[k] for k in SETTINGS if k in case}))
     assert ["".join(str(int(v)) for v in row) for row in kept.tolist()] == case["mask"]
     if case["weights"] is None:
         assert weights is None
@@ -49,8 +49,8 @@ def test_rejected_tokens_leave_the_mask_and_weights_are_detached():
     old = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, 0.0]], requires_grad=True)
     rollout = torch.tensor([[-1.0, -3.0, -1.0], [-2.0, -2.1, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    weights, kept, m = correct(old, rollout, mask, rollout_is="token", rollout_is_threshold="0.5_5.0",
-                               rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    weights, kept, m = correct(old, rollout, mask, parse(rollout_is="token", rollout_is_threshold="0.5_5.0",
+                                                         rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"))
     assert kept.tolist() == [[1, 0, 1], [1, 1, 0]]  # rho = e^2 on token 2 is out of [0.5, 2]
     assert weights[0, 1] == 0 and not weights.requires_grad  # and out of IcePop's band: weight 0
     assert m["rollout_corr/rollout_rs_token_k1_masked_fraction"] == pytest.approx(1 / 5)
@@ -60,8 +60,8 @@ def test_rejected_tokens_leave_the_mask_and_weights_are_detached():
 
 def test_an_empty_batch_passes_through():
     mask = torch.zeros(2, 3)
-    weights, kept, metrics = correct(torch.zeros(2, 3), torch.zeros(2, 3), mask, rollout_is="token",
-                                     rollout_rs="token_k2", rollout_rs_threshold=0.1)
+    weights, kept, metrics = correct(torch.zeros(2, 3), torch.zeros(2, 3), mask,
+                                     parse(rollout_is="token", rollout_rs="token_k2", rollout_rs_threshold=0.1))
     assert kept is mask and weights.abs().sum() == 0 and metrics == {}
 
 

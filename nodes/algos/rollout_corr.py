@@ -25,31 +25,28 @@ import torch
 
 from nodes.algos.masked import masked_mean, masked_sum
 from nodes.algos.rollout_corr_metrics import SAFETY_BOUND, is_metrics, offpolicy_metrics, rs_metrics
-from nodes.algos.rollout_corr_settings import IS_LEVELS, parse_is_threshold, parse_rs, parse_rs_thresholds
+from nodes.algos.rollout_corr_settings import Correction
 
 
-def correct(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
-            rollout_is: str | None = None, rollout_is_threshold=2.0, rollout_is_batch_normalize: bool = False,
-            rollout_rs: str | None = None, rollout_rs_threshold=None, group=None):
-    """(importance weights [B, R] or None without `rollout_is`, the response mask with rejected tokens
-    out, the `rollout_corr/*` metrics), all detached. `group`: the torch.distributed group whose rows
-    the batch normalization averages over (None: these rows)."""
+def correct(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+            settings: Correction, group=None):
+    """(importance weights [B, R] or None without an IS level, the response mask with rejected tokens
+    out, the `rollout_corr/*` metrics), all detached. `settings`: rollout_corr_settings.parse's, once
+    per update (this runs in every micro batch's loss); `group`: the torch.distributed group whose
+    rows the batch normalization averages over (None: these rows)."""
     mask = response_mask
     if not bool(mask.any()):
-        return (torch.zeros_like(old_logprobs) if rollout_is else None), mask, {}
+        return (torch.zeros_like(old_logprobs) if settings.level else None), mask, {}
     with torch.no_grad():
         log_ratio = torch.where(mask.bool(), old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs)).float()
         maskf = mask.float()
         metrics: dict[str, float] = {}
         weights = None
-        if rollout_is is not None:
-            if rollout_is not in IS_LEVELS:
-                raise ValueError(f"unknown rollout_is {rollout_is!r}; expected one of {', '.join(IS_LEVELS)}")
-            weights = _weights(log_ratio, maskf, rollout_is, *parse_is_threshold(rollout_is_threshold),
-                               rollout_is_batch_normalize, group, metrics)
-        if rollout_rs is not None:
-            options = parse_rs(rollout_rs)
-            keep = _keep(log_ratio, maskf, parse_rs_thresholds(options, rollout_rs_threshold), metrics)
+        if settings.level is not None:
+            weights = _weights(log_ratio, maskf, settings.level, settings.upper, settings.lower,
+                               settings.batch_normalize, group, metrics)
+        if settings.rs_bands is not None:
+            keep = _keep(log_ratio, maskf, settings.rs_bands, metrics)
             mask = (mask * keep).to(response_mask.dtype)
         metrics.update(offpolicy_metrics(old_logprobs.float(), rollout_logprobs.float(), log_ratio, maskf))
     return weights, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}

@@ -7,6 +7,7 @@ expected."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -78,3 +79,25 @@ def parse_rs_thresholds(options: list[str], spec) -> dict[str, tuple[float | Non
         else:
             out[option] = (None, _number(entry, f"expected for {option} one positive number (an upper bound)"))
     return out
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The settings of one correction, parsed: the IS level (None: no weights), its (upper, lower)
+    bounds, whether the weights are rescaled to mean 1, and per rejection option its band (None: no
+    rejection)."""
+    level: str | None
+    upper: float
+    lower: float | None
+    batch_normalize: bool
+    rs_bands: dict[str, tuple[float | None, float]] | None
+
+
+def parse(rollout_is: str | None = None, rollout_is_threshold=2.0, rollout_is_batch_normalize: bool = False,
+          rollout_rs: str | None = None, rollout_rs_threshold=None) -> Correction:
+    """verl's keyword settings (the update's params) as a Correction; ValueError says what is expected."""
+    if rollout_is is not None and rollout_is not in IS_LEVELS:
+        raise ValueError(f"unknown rollout_is {rollout_is!r}; expected one of {', '.join(IS_LEVELS)}")
+    upper, lower = parse_is_threshold(rollout_is_threshold)
+    bands = None if rollout_rs is None else parse_rs_thresholds(parse_rs(rollout_rs), rollout_rs_threshold)
+    return Correction(rollout_is, upper, lower, bool(rollout_is_batch_normalize), bands)

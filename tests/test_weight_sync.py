@@ -574,5 +574,7 @@ def test_readers_of_a_process_group_whose_reader_died_fail_at_once_not_after_the
     finally:
         for member in members:
             member.kill()
-    assert "Connection closed" in got[0][0], "the writer finds the dead reader"
-    assert "Connection closed" in got[1][0] and got[1][1] < 30, "the other reader is let go when the writer closes"
+    # gloo says "Connection closed by peer" or, when the peer's socket goes with a reset, "Connection reset by peer"
+    gone = ("Connection closed", "Connection reset")
+    assert any(g in got[0][0] for g in gone), "the writer finds the dead reader"
+    assert any(g in got[1][0] for g in gone) and got[1][1] < 30, "the other reader is let go when the writer closes"

@@ -13,7 +13,8 @@ the time of one in-place weight update.
 `--shape qwen3_8b` (for a GPU; qwen3_0.6b also runs on a CPU): a real model's shape (Qwen3-8B with its
 151,936-token vocabulary) with vLLM's random weights (`load_format: dummy`), bf16, prompts of
 `--prompt-tokens` random token ids, and no HF side: the engine's overhead over the library
-(`engine_overhead` = strategy time / raw time) at the size it runs in production. The 8B graph's engine (vllm:d4t2) takes 32 prompts x 8 samples a step.
+(`engine_overhead` = strategy time / raw time) at the size it runs in production. The 8B graph's
+engine (vllm:d4t2) takes 32 prompts x 8 samples a step.
 
 The default model (13M parameters) is the smallest where the forward pass, not per-step Python,
 decides the speed. On the 0.5M-parameter demo model (--hidden-size 128 --num-layers 2) both
@@ -172,7 +173,7 @@ def real_shape(a) -> None:
         def raw():
             return sum(len(c.token_ids) for o in engine.llm.generate(ids, raw_params, use_tqdm=False) for c in o.outputs)
 
-        warm_s, _ = timed(lambda: engine.llm.generate(ids[:2], SamplingParams(max_tokens=8), use_tqdm=False))
+        engine.llm.generate(ids[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         runs = [(timed(strategy), timed(raw)) for _ in range(a.repeats)]
         best = [min(secs for secs, _ in (run[i] for run in runs)) for i in (0, 1)]
         tokens = runs[0][0][1]

@@ -40,9 +40,9 @@ def summarize(series: dict[str, dict[int, float]]) -> dict:
         values = [series[tag][s] for s in later if s in series.get(tag, {})]
         return round(statistics.mean(values), 4) if values else None
 
+    timings = {tag.removeprefix("timing_s/"): mean(tag) for tag in sorted(series) if tag.startswith("timing_s/")}
     out = {"steps": len(steps),
-           "seconds_per_step": {tag.removeprefix("timing_s/"): mean(tag) for tag in sorted(series)
-                                if tag.startswith("timing_s/") and mean(tag) is not None},
+           "seconds_per_step": {node: s for node, s in timings.items() if s is not None},
            "peak_gb": {tag.split("/")[1]: round(max(series[tag].values()), 2) for tag in series
                        if tag.startswith("memory/") and tag.endswith("/peak_gb")}}
     for tag in SHOWN:

@@ -31,7 +31,13 @@ def test_a_run_summary_counts_training_steps_and_averages_after_the_first():
 
 
 def test_the_plans_fullest_device_is_read_from_plan_itself(tmp_path):
+    # the graph's model as gpu_checks.sh makes it; its config alone is what `plan` reads
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, "scripts/make_tiny_model.py", str(model), "--arch", "qwen3", "--hidden-size", "1024",
+                    "--num-layers", "28", "--num-heads", "8", "--num-kv-heads", "4", "--intermediate-size", "3072",
+                    "--untied", "--no-weights"], capture_output=True, cwd=ROOT, check=True)
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", "plan", "graphs/gpu1_grpo.yaml",
-                          "cluster.device_memory_gb=140"], capture_output=True, text=True, cwd=ROOT, check=True)
+                          "cluster.device_memory_gb=140", f"models.policy.path={model}"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
     (tmp_path / "plan.out").write_text(res.stdout)
     assert plan_fullest_gib(tmp_path / "plan.out") == 47.92

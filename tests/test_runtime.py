@@ -111,7 +111,12 @@ def test_colocated_meshes_share_processes(tmp_path):
 
 
 def _alive(pids):
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone, also between being listed and looked at
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
 
 
 @pytest.mark.engines

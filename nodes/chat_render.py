@@ -12,6 +12,7 @@ tokens (`<|im_end|>`) cannot end a turn or fake a role; the template's own text 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from typing import Any
 
@@ -27,6 +28,9 @@ class ChatRender:
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
         self._frames: dict[str, tuple[str, str, str]] = {}
+        # the template's own text between contents (the system prompt with the tools, a turn's close) is
+        # the same in every episode: tokenized once
+        self._template_ids = functools.lru_cache(maxsize=1024)(self._template_text_ids)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
         """The whole conversation and the generation prompt."""
@@ -74,7 +78,11 @@ class ChatRender:
 
     def _encode(self, pieces: list[tuple[str, bool]]) -> list[int]:
         return [i for text, content in pieces if text
-                for i in self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=content)]
+                for i in (self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if content
+                          else self._template_ids(text))]
+
+    def _template_text_ids(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False))
 
 
 def _turn() -> list[dict]:

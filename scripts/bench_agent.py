@@ -7,15 +7,18 @@ endpoint); judged by the rise of validation accuracy (one answer per prompt at t
 bar: >= 0.15 at every seed, tool calls made). Run it under ATEN_CPU_CAPABILITY=avx2 too (another CPU's float
 paths); the report names the kernels torch used.
 
-Overhead (`--overhead`): in one process, one vLLM engine over a warm-started model, the openai demo's
-rollout (16 prompts x 8 episodes: the agent in the agents' process, its calls through the HTTP endpoint and
-the `openai` client) against the same episodes driven directly through the engine (its own tool loop: the
-same prompts, the calculator between the same two turns), `--rounds` pairs one after another; bar <= 1.15x.
+Overhead (`--overhead`): in one process, one vLLM engine over a warm-started model, on as many threads as
+the demo's rollout rank has (`--threads`, 1), the openai demo's
+rollout (16 prompts x 8 episodes: the agent in the agents' process, its calls through the `openai` client
+it is handed, answered by the endpoint in that process) against the same episodes driven directly through
+the engine (its own tool loop: the same prompts, rendered in it, the calculator between the same two
+turns), `--rounds` pairs one after another; bar <= 1.15x. Beside them, the same agent with a client of its
+own over the endpoint's HTTP port (`over_http`).
 Then 64 episodes of 8 s each, one turn every 2 s, at concurrency 64: their overlap (the sum of their
 durations over the rollout's wall time; 64 when nothing is serialized).
 
     python scripts/bench_agent.py [--json] [--seeds 1 2 3] [--graphs tools openai] [key=value ...]
-    python scripts/bench_agent.py --overhead [--json] [--rounds 5] [--model DIR]
+    python scripts/bench_agent.py --overhead [--json] [--rounds 5] [--model DIR] [--threads 1]
 """
 
 from __future__ import annotations
@@ -84,13 +87,15 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="the endpoint's overhead instead of the learning runs")
     ap.add_argument("--rounds", type=int, default=5, help="--overhead: pairs of rollouts")
     ap.add_argument("--model", default=str(ROOT / "data/agent"), help="--overhead: a make_agent_task.py folder")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--overhead: the engine's CPU threads (the demo's rollout rank has runtime.cpus_per_rank: 1)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the graphs (trainer.total_steps=30, ...)")
     args = ap.parse_args()
     with json_stdout(args.json) as emit:
         if args.overhead:
             from bench_agent_overhead import overhead
 
-            report = overhead(Path(args.model), args.rounds, quiet=args.json)
+            report = overhead(Path(args.model), args.rounds, args.threads, quiet=args.json)
         else:
             report = learning(args)
         if args.json:

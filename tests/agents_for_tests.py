@@ -9,6 +9,7 @@ import random
 import time
 
 import httpx
+import openai
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
@@ -129,7 +130,18 @@ async def probes_the_endpoint(client, sample: dict):
         (left / f"key-{index}").write_text(key)
         code, error = await status(f"{base}/chat/completions", {**good, "model": "gpt-4"})
         codes["wrong_model"] = code
+        codes["no_such_path"] = (await status(f"{base}/chat/completion", good))[0]
+        codes["wrong_method"] = (await http.get(f"{base}/chat/completions", headers={"Authorization": f"Bearer {key}"})).status_code
         models = (await http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})).json()
+    # the client handed to the agent answers in-process: the same answers, as the openai package raises them
+    for name, call in {"client_wrong_model": client.chat.completions.create(**{**good, "model": "gpt-4"}),
+                       "client_n2": client.chat.completions.create(**good, n=2),
+                       "client_too_large": client.completions.create(model=sample["model"], prompt="x" * (2 * 2**20))}.items():
+        try:
+            await call
+            codes[name] = 200
+        except openai.APIStatusError as exc:
+            codes[name] = exc.status_code
     served = sample["model"] in error["message"] and models["data"][0]["id"] == sample["model"]
     return {"reward": 1.0, "info": {**codes, "names_the_model": float(served)}}
 

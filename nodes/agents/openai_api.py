@@ -33,7 +33,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.type = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                     404: "invalid_request_error", 413: "invalid_request_error"}.get(status, "server_error")
+                     404: "invalid_request_error", 405: "invalid_request_error",
+                     413: "invalid_request_error"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 from nodes.agents.episode import Episode
 from nodes.agents import openai_api
 from nodes.agents.openai_api import Request
+from nodes.agents.server import Endpoint
 from nodes.agents.service import Service
 
 KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last ones)
@@ -64,15 +65,17 @@ def reward_of(value: Any) -> tuple[float | None, dict]:
     return float(value), info
 
 
-def python_agent(solve: Callable) -> Agent:
-    """`solve(client, sample)` with an `openai.AsyncOpenAI` client at the episode's own address and key."""
+def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
+    """`solve(client, sample)` with an `openai.AsyncOpenAI` client at the episode's own address and key,
+    its calls answered in this process (Endpoint.transport)."""
     import httpx
     import openai
 
+    transport = endpoint.transport()
+
     async def run(episode: Episode, sample: dict) -> Any:
-        # a connection pool of its own: one shared by all episodes scans every connection per request
-        # (httpcore); its own host, never through a proxy
-        async with httpx.AsyncClient(trust_env=False, verify=False, timeout=None) as http:
+        # an HTTP client of its own, as the agent may close it
+        async with httpx.AsyncClient(transport=transport, timeout=None) as http:
             client = openai.AsyncOpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http,
                                         max_retries=0)
             return await solve(client, _public(sample))

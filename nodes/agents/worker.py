@@ -55,7 +55,7 @@ class Agents:
         if endpoint is not None:
             await endpoint.start()
         try:
-            agent = self._agent(p, service, pool)
+            agent = self._agent(p, service, endpoint, pool)
             gate = asyncio.Semaphore(p["concurrency"])
 
             async def one(k: int, episode: Episode) -> None:
@@ -74,9 +74,9 @@ class Agents:
                 pool.shutdown(wait=False, cancel_futures=True)
         return [e.record() for e in episodes], outcomes
 
-    def _agent(self, p: dict, service: Service, pool: ThreadPoolExecutor | None) -> runners.Agent:
+    def _agent(self, p: dict, service: Service, endpoint: Endpoint | None, pool: ThreadPoolExecutor | None) -> runners.Agent:
         if p.get("agent"):
-            return runners.python_agent(user_ref(p["agent"], "agent", {}))
+            return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint)
         if p.get("agent_command"):
             return runners.command_agent(p["agent_command"], None)
         env_class, kwargs = user_ref(p["env"], "environment", {}), dict(p["env_kwargs"])

@@ -49,7 +49,9 @@ def _describe(params) -> str:
     what = {"agent": f"agent {params.get('agent')}, through an OpenAI-compatible endpoint",
             "agent_command": f"agent program {' '.join(params.get('agent_command') or [])}, through an OpenAI-compatible endpoint",
             "env": f"environment {params.get('env')}, in the engine's loop"}[mode]
-    return f"{what}; {params['concurrency']} episodes at once, up to {params['max_turns']} turns, {params['timeout_s']:g} s each"
+    processes = f" in {params['agent_processes']} processes" if params["agent_processes"] > 1 else ""
+    return (f"{what}; {params['concurrency']} episodes at once{processes}, up to {params['max_turns']} turns, "
+            f"{params['timeout_s']:g} s each")
 
 
 def _check(node, pipeline) -> list[Problem]:

@@ -14,8 +14,10 @@ it is handed, answered by the endpoint in that process) against the same episode
 the engine (its own tool loop: the same prompts, rendered in it, the calculator between the same two
 turns), `--rounds` pairs one after another; bar <= 1.15x. Beside them, the same agent with a client of its
 own over the endpoint's HTTP port (`over_http`).
-Then 64 episodes of 8 s each, one turn every 2 s, at concurrency 64: their overlap (the sum of their
-durations over the rollout's wall time; 64 when nothing is serialized).
+Then the same rollout by agents that spend 20 ms of their own Python before each call, in one agents'
+process and spread over two (`params.agent_processes`). Then 64 episodes of 8 s each, one turn every 2 s,
+at concurrency 64: their overlap (the sum of their durations over the rollout's wall time; 64 when nothing
+is serialized).
 
     python scripts/bench_agent.py [--json] [--seeds 1 2 3] [--graphs tools openai] [key=value ...]
     python scripts/bench_agent.py --overhead [--json] [--rounds 5] [--model DIR] [--threads 1]

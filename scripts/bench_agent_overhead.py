@@ -1,6 +1,7 @@
 """`scripts/bench_agent.py --overhead`: the agent endpoint's cost against the engine's own loop, and the overlap
 of 64 concurrent episodes (see bench_agent.py). Also the agents these run beside the demo's: the same agent
-with its client over HTTP (`over_http`), and one that thinks between its calls (`paced`)."""
+with its client over HTTP (`over_http`), one that thinks between its calls (`paced`), and one that keeps
+its process busy before each call (`busy`: the demo's rollout in one agents' process, then spread over two).
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 PROMPTS, N, MAX_TURNS, TOKENS_PER_TURN = 16, 8, 2, 96
 PACED_TURNS, PACE_S = 4, 2.0
+BUSY_S, PROCESSES = 0.02, (1, 2)  # the busy agents' CPU before each call; agents' processes compared
 OVERHEAD_BAR = 1.15  # the endpoint's rollout time over the engine's own loop's
 
 
@@ -28,6 +30,22 @@ async def over_http(client, sample: dict) -> dict:
     async with httpx.AsyncClient(trust_env=False, verify=False, timeout=None) as http:
         return await solve(openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, http_client=http,
                                               max_retries=0), sample)
+
+
+async def busy(client, sample: dict) -> dict:
+    """The demo's agent with BUSY_S of its own Python before each call (a framework's, a harness's)."""
+    from nodes.demo_agents import solve
+
+    create = client.chat.completions.create
+
+    async def thinking_first(**kwargs):
+        began = time.thread_time()
+        while time.thread_time() - began < BUSY_S:
+            pass
+        return await create(**kwargs)
+
+    client.chat.completions.create = thinking_first
+    return await solve(client, sample)
 
 
 async def paced(client, sample: dict) -> dict:
@@ -62,9 +80,10 @@ def overhead(task: Path, rounds: int, threads: int, quiet: bool) -> dict:
     tools = {"calculator": resolve_tool("calculator")}
     limits = agent_loop.AgentLimits(MAX_TURNS, TOKENS_PER_TURN, 128, 10.0, 8)
 
-    def endpoint(agent: str, concurrency: int, count: int = PROMPTS, n: int = N) -> tuple[float, rollout.Finished]:
+    def endpoint(agent: str, concurrency: int, count: int = PROMPTS, n: int = N, processes: int = 1
+                 ) -> tuple[float, rollout.Finished]:
         params = {"agent": agent, "max_turns": PACED_TURNS, "max_tokens_per_turn": TOKENS_PER_TURN,
-                  "concurrency": concurrency, "timeout_s": 120.0, "max_request_mb": 8, "host": None, "env_kwargs": {}}
+                  "concurrency": concurrency, "agent_processes": processes, "timeout_s": 120.0, "max_request_mb": 8, "host": None, "env_kwargs": {}}
         ctx = SimpleNamespace(engine=engine, node=SimpleNamespace(id="agent", model="policy", params=params),
                               data=SimpleNamespace(max_prompt_length=40, max_response_length=128), validating=False, seed=3)
         began = time.perf_counter()
@@ -88,12 +107,17 @@ def overhead(task: Path, rounds: int, threads: int, quiet: bool) -> dict:
                       "calls": sum(e.turns for e in finished.episodes), "peak_in_flight": finished.peak_in_flight})
         if not quiet:
             print(pairs[-1], flush=True)
+    spread = {}
+    for processes in PROCESSES:
+        endpoint("bench_agent_overhead:busy", PROMPTS * N, count=processes, n=1, processes=processes)  # all started
+        spread[f"processes_{processes}_s"] = round(endpoint("bench_agent_overhead:busy", PROMPTS * N, processes=processes)[0], 3)
     wall, finished = endpoint("bench_agent_overhead:paced", 64, count=8, n=8)
     durations = [o.info["seconds"] for o in finished.outcomes if o.status == "ok"]
     engine.close()
     ratio = statistics.median(p["ratio"] for p in pairs)
     return {"bar": OVERHEAD_BAR, "threads": threads, "ratio_median": ratio, "met": ratio <= OVERHEAD_BAR,
             "ratio_over_http_median": statistics.median(p["ratio_over_http"] for p in pairs), "pairs": pairs,
+            "busy_agents": {"cpu_s_per_call": BUSY_S, **spread},
             "overlap": {"episodes": len(durations), "turns_each": PACED_TURNS, "pace_s": PACE_S, "wall_s": round(wall, 2),
                         "episode_s_sum": round(sum(durations), 1), "overlap": round(sum(durations) / wall, 1),
                         "peak_in_flight": finished.peak_in_flight}}

@@ -18,7 +18,7 @@ from nodes.agents import rows as agent_rows
 
 pytestmark = pytest.mark.engines
 HERE = Path(__file__).resolve().parent
-PARAMS = {"max_turns": 6, "max_tokens_per_turn": None, "concurrency": 64, "timeout_s": 60.0, "max_request_mb": 1,
+PARAMS = {"max_turns": 6, "max_tokens_per_turn": None, "concurrency": 64, "agent_processes": 1, "timeout_s": 60.0, "max_request_mb": 1,
           "host": None, "env_kwargs": {}}
 
 
@@ -62,13 +62,18 @@ def samples(count: int, **extra) -> list[dict]:
              "data_source": "test", "extra_info": {"seed": i, **extra}} for i, p in enumerate(prompts)]
 
 
-def test_random_agents_train_exactly_the_tokens_the_engine_sampled(vllm_engine):
-    """For 64 random agents at once (turns, tools, completions, rewritten histories): every row's masked
-    tokens are turns the engine sampled, in order, each after exactly the tokens before it in its row;
-    the rest of a row is what the agent sent, never trained on."""
+@pytest.mark.parametrize("processes", [1, 3])
+def test_random_agents_train_exactly_the_tokens_the_engine_sampled(vllm_engine, processes):
+    """For 64 random agents at once (turns, tools, completions, rewritten histories), in one agents' process
+    or spread over three: every row's masked tokens are turns the engine sampled, in order, each after
+    exactly the tokens before it in its row; the rest of a row is what the agent sent, never trained on."""
+    run(vllm_engine, samples(processes), agent="agents_for_tests:random_agent", agent_processes=processes)  # all started
     engine = Recording(vllm_engine)
-    finished = run(engine, samples(64), agent="agents_for_tests:random_agent")
+    finished = run(engine, samples(64), agent="agents_for_tests:random_agent", agent_processes=processes)
     assert [o.status for o in finished.outcomes] == ["ok"] * 64, [o.error for o in finished.outcomes if o.error][:3]
+    assert [e.index for e in finished.episodes] == list(range(64))  # in the rollout's order, whichever process ran it
+    running = agents_rollout._PROCESSES[("agent", vllm_engine.model_path)]
+    assert len({process.proc.pid for process in running if process.proc.poll() is None}) == processes
     by_context = {tuple(context): engine.sampled[key] for key, context in engine.asked.items()}
     used = 0
     for episode in finished.episodes:
@@ -86,7 +91,8 @@ def test_random_agents_train_exactly_the_tokens_the_engine_sampled(vllm_engine):
     assert used == len(engine.sampled) == sum(e.turns for e in finished.episodes)
     assert sum(e.prefix_breaks for e in finished.episodes) > 0  # some histories were rewritten
     assert sum(len(e.rows()) for e in finished.episodes) > 64  # and started segments of their own
-    assert finished.peak_in_flight >= 32  # the 64 episodes ran at once, not one after another
+    # the 64 episodes ran at once, not one after another; spread, more turns in flight than one process holds
+    assert finished.peak_in_flight >= 32 if processes == 1 else finished.peak_in_flight > 64 // processes
     metrics = agent_rows.metrics(finished, agent_rows.rows_of(finished, [f"u{i}" for i in range(64)], 1, False, None, 0),
                                  64, False)
     assert metrics["agent/failed"] == 0 and metrics["agent/segments/mean"] > 1 and metrics["agent/endpoint_s/mean"] > 0

@@ -119,7 +119,7 @@ def rollout_of(engine, samples: list[dict], agent: str, n: int = 2, response: in
 
     from nodes.agents import rollout
 
-    params = {"agent": agent, "max_turns": 2, "max_tokens_per_turn": 96, "concurrency": 64, "timeout_s": 120.0,
+    params = {"agent": agent, "max_turns": 2, "max_tokens_per_turn": 96, "concurrency": 64, "agent_processes": 1, "timeout_s": 120.0,
               "max_request_mb": 8, "host": None, "env_kwargs": {}}
     ctx = SimpleNamespace(engine=engine, node=SimpleNamespace(id="agent", model="policy", params=params), seed=11,
                           data=SimpleNamespace(max_prompt_length=40, max_response_length=response), validating=False)

@@ -9,7 +9,8 @@ for and steps the engine while any is in flight. Neither side ever blocks on a s
 waits to send too: the rank sends from a thread of its own, the agents through their event loop.
 
     agents -> rank: ("add", key, context ids, max_tokens, seed, stop, top_logprobs), ("abort", key),
-                    ("finished", results), ("failed", traceback)
+                    ("finished", results), ("failed", traceback)   (a rank may serve several such processes:
+                    `params.agent_processes`)
     rank -> agents: ("done", key, Turn), ("rollout", spec), ("exit",)
 """
 
@@ -24,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as ready
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the agents' process imports no torch
@@ -68,34 +70,42 @@ class RankEnd:
         self.conn.close()
 
 
-def serve(link: RankEnd, turns: Turns, deadline: float, tell: Callable[[list], None] | None = None) -> tuple[Any, int] | None:
-    """Generate the turns the agents ask for until they send their results: (results, the most turns
-    in flight at once); None if `deadline` (time.monotonic()) came first. AgentsGone if they exited.
+def serve(links: list[RankEnd], turns: Turns, deadline: float, tell: Callable[[list], None] | None = None
+          ) -> tuple[list, int] | None:
+    """Generate the turns the agents' processes ask for until each has sent its results: (their results,
+    by link; the most turns in flight at once); None if `deadline` (time.monotonic()) came first.
+    AgentsGone if one exited. A turn's key on the engine is (link, the key its process gave).
     `tell`: hands each round's adds and aborts to the engine's other tensor-parallel ranks (`follow`), which
     must be given the same turns in the same order, and step when this one does."""
-    conn, live, peak = link.conn, set(), 0
+    conns, results, live, peak = [link.conn for link in links], [None] * len(links), set(), 0
     try:
         while time.monotonic() < deadline:
             wait, commands = 0 if turns.busy else 0.05, []  # idle: wait for the agents; generating: take what is there
-            while conn.poll(wait):
-                message, wait = conn.recv(), 0
-                if message[0] == "finished":
-                    return message[1], peak
-                if message[0] == "failed":
-                    raise RuntimeError(f"the agents' rollout failed in their process:\n{message[1]}")
-                if _apply(turns, live, message):
-                    commands.append(message)
+            while readable := ready([c for c, r in zip(conns, results) if r is None], wait):
+                wait = 0
+                for conn in readable:
+                    i, message = conns.index(conn), conn.recv()
+                    if message[0] == "finished":
+                        results[i] = message[1]
+                    elif message[0] == "failed":
+                        raise RuntimeError(f"the agents' rollout failed in their process:\n{message[1]}")
+                    else:
+                        message = (message[0], (i, message[1]), *message[2:])  # its key on the engine
+                        if _apply(turns, live, message):
+                            commands.append(message)
+                if all(r is not None for r in results):
+                    return results, peak
             if tell is not None and (commands or turns.busy):
                 tell(commands)
             peak = max(peak, len(live))
             if turns.busy:
                 for key, sample in turns.step():
                     live.discard(key)
-                    link.send(("done", key, Turn(list(sample.token_ids), list(sample.logprobs), sample.finish_reason,
-                                                 sample.text, sample.top_logprobs)))
+                    links[key[0]].send(("done", key[1], Turn(list(sample.token_ids), list(sample.logprobs),
+                                                             sample.finish_reason, sample.text, sample.top_logprobs)))
         return None
     except (EOFError, OSError) as exc:
-        raise AgentsGone(f"the agents' process is gone ({type(exc).__name__})") from None
+        raise AgentsGone(f"an agents' process is gone ({type(exc).__name__})") from None
     finally:
         for key in live:
             turns.abort(key)

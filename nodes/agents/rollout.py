@@ -1,8 +1,9 @@
 """One rollout of the user's agents (agent_rollout with `agent`, `agent_command` or `env`), seen from the
-rank: the agents run in a process of their own (worker.py; started at the node's first rollout, kept
-for the rank's life), the engine in the node's thread, the two linked by engine_link. The rank waits
-past every episode's own timeout; if the agents' process is still not done then (an agent blocking its
-event loop), or exits, it is stopped and the rollout's episodes are lost; the next rollout starts anew.
+rank: the agents run in processes of their own (worker.py; `params.agent_processes` of them, started at
+the node's first rollout, kept for the rank's life), the engine in the node's thread, each process
+linked to it by engine_link. The rank waits past every episode's own timeout; if the agents' processes
+are still not done then (an agent blocking its event loop), or one exits, they are stopped and the
+rollout's episodes are lost; the next rollout starts anew.
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ class AgentsProcess:
         self.link.close()
 
 
-_PROCESSES: dict[tuple[str, str], AgentsProcess] = {}  # (node id, model) -> its agents' process, in this rank process
+_PROCESSES: dict[tuple[str, str], list[AgentsProcess]] = {}  # (node id, model) -> its agents' processes, in this rank process
 
 
 @atexit.register
 def _stop_all() -> None:
-    for process in _PROCESSES.values():
-        process.stop()
+    for processes in _PROCESSES.values():
+        for process in processes:
+            process.stop()
     _PROCESSES.clear()
 
 
@@ -91,32 +93,41 @@ def run(ctx: Any, samples: list[dict], n: int) -> Finished:
 
 
 def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finished:
-    """The agents' process (started, or kept from the last rollout) runs the episodes; this thread serves
-    their turns."""
+    """The agents' processes (started, or kept from the last rollout) run the episodes, spread round robin
+    with `concurrency` shared among them; this thread serves their turns."""
     engine, p, data = ctx.engine, ctx.node.params, ctx.data
-    node = (ctx.node.id, engine.model_path)
-    process = _PROCESSES.get(node)
-    if process is None or process.proc.poll() is not None:
-        process = _PROCESSES[node] = AgentsProcess(engine.model_path)
+    node, count = (ctx.node.id, engine.model_path), p["agent_processes"]
+    kept = [process for process in _PROCESSES.get(node, []) if process.proc.poll() is None]
+    for process in kept[count:]:
+        process.stop()
+    processes = _PROCESSES[node] = kept[:count] + [AgentsProcess(engine.model_path) for _ in range(count - len(kept))]
     limits = Limits(data.max_prompt_length, data.max_response_length, p["max_turns"],
                     p["max_tokens_per_turn"] or data.max_response_length)
-    process.link.send(("rollout", RolloutSpec(p, samples, n, limits, ctx.node.model, ctx.seed)))
-    deadline = time.monotonic() + math.ceil(len(samples) * n / p["concurrency"]) * p["timeout_s"] + GRACE_S
+    episodes = len(samples) * n
+    share = max(1, p["concurrency"] // count)  # episodes in flight per process
+    for i, process in enumerate(processes):
+        process.link.send(("rollout", RolloutSpec({**p, "concurrency": share}, samples, n, list(range(i, episodes, count)),
+                                                  limits, ctx.node.model, ctx.seed)))
+    deadline = time.monotonic() + math.ceil(math.ceil(episodes / count) / share) * p["timeout_s"] + GRACE_S
     why = ""
     try:
-        found = engine_link.serve(process.link, turns, deadline, tell)
-        why = "the agents' process did not finish by the rollout's deadline (an agent blocking its event loop?)"
+        found = engine_link.serve([process.link for process in processes], turns, deadline, tell)
+        why = "the agents' processes did not finish by the rollout's deadline (an agent blocking its event loop?)"
     except engine_link.AgentsGone:
-        found, why = None, f"the agents' process exited (status {process.proc.wait()})"
+        status = next((process.proc.wait() for process in processes if process.proc.poll() is not None), None)
+        found, why = None, f"an agents' process exited (status {status})"
     if found is None:
-        log.error("%s; this rollout's episodes are lost, and the process is started anew", why)
-        process.stop()
+        log.error("%s; this rollout's episodes are lost, and the processes are started anew", why)
+        for process in processes:
+            process.stop()
         del _PROCESSES[node]
         indexes = [i for i in range(len(samples)) for _ in range(n)]
         return Finished([EpisodeRecord(k, i, [], 0, 0, 0, 0, []) for k, i in enumerate(indexes)],
                         [Outcome("timeout" if "deadline" in why else "failed", error=why) for _ in indexes], 0)
-    (records, outcomes), peak = found
-    return Finished(records, outcomes, peak)
+    results, peak = found
+    by_index = {record.index: (record, outcome) for records, outcomes in results for record, outcome in zip(records, outcomes)}
+    records, outcomes = zip(*(by_index[k] for k in range(episodes)))
+    return Finished(list(records), list(outcomes), peak)
 
 
 class _TensorParallel:

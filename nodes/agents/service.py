@@ -24,14 +24,13 @@ STOP_AT_CALL = "</tool_call>"  # parallel_tool_calls: false ends the turn at its
 class Service:
     def __init__(self, turns: AgentsEnd, render: ChatRender, model: str, limits: Limits, seed: int | None):
         self.turns, self.render, self.model, self.limits, self.seed = turns, render, model, limits, seed
-        self.episodes: list[Episode] = []
         self._by_key: dict[str, Episode] = {}
         self._revoked: set[str] = set()
 
-    def open(self, prompt_index: int) -> Episode:
+    def open(self, index: int, prompt_index: int) -> Episode:
+        """Episode `index` of the rollout (its address, its seeds), on sample `prompt_index`."""
         key = "sk-episode-" + secrets.token_urlsafe(24)
-        episode = Episode(len(self.episodes), prompt_index, key, self.render, self.limits)
-        self.episodes.append(episode)
+        episode = Episode(index, prompt_index, key, self.render, self.limits)
         self._by_key[key] = episode
         return episode
 

@@ -28,9 +28,10 @@ from siirl_dag.refs import user_ref
 
 @dataclass
 class RolloutSpec:
-    params: dict  # the node's params
+    params: dict  # the node's params (`concurrency`: this process's share)
     samples: list[dict]  # one per prompt (rollout.samples_of)
     n: int  # episodes per sample
+    episodes: list[int]  # the rollout's episodes this process runs (episode k is of sample k // n)
     limits: Limits
     model: str  # the name agents pass as `model`
     seed: int | None
@@ -48,7 +49,7 @@ class Agents:
     async def rollout(self, spec: RolloutSpec) -> tuple[list, list]:
         p = spec.params
         service = Service(self.turns, self.render, spec.model, spec.limits, spec.seed)
-        episodes = [service.open(i) for i in range(len(spec.samples)) for _ in range(spec.n)]
+        episodes = [service.open(k, k // spec.n) for k in spec.episodes]
         outcomes: list[runners.Outcome | None] = [None] * len(episodes)
         endpoint = Endpoint(service, p["host"] or "127.0.0.1", p["max_request_mb"]) if p.get("env") is None else None
         pool = ThreadPoolExecutor(p["concurrency"], thread_name_prefix="env") if p.get("env") else None

@@ -1,7 +1,7 @@
 """`scripts/bench_agent.py --overhead`: the agent endpoint's cost against the engine's own loop, and the overlap
 of 64 concurrent episodes (see bench_agent.py). Also the agents these run beside the demo's: the same agent
 with its client over HTTP (`over_http`), one that thinks between its calls (`paced`), and one that keeps
-its process busy before each call (`busy`: the demo's rollout in one agents' process, then spread over two).
+its process busy before each call (`busy`: the demo's rollout in one agents' process, then spread over two)."""
 
 from __future__ import annotations
 
@@ -107,12 +107,12 @@ def overhead(task: Path, rounds: int, threads: int, quiet: bool) -> dict:
                       "calls": sum(e.turns for e in finished.episodes), "peak_in_flight": finished.peak_in_flight})
         if not quiet:
             print(pairs[-1], flush=True)
+    wall, finished = endpoint("bench_agent_overhead:paced", 64, count=8, n=8)
+    durations = [o.info["seconds"] for o in finished.outcomes if o.status == "ok"]
     spread = {}
     for processes in PROCESSES:
         endpoint("bench_agent_overhead:busy", PROMPTS * N, count=processes, n=1, processes=processes)  # all started
         spread[f"processes_{processes}_s"] = round(endpoint("bench_agent_overhead:busy", PROMPTS * N, processes=processes)[0], 3)
-    wall, finished = endpoint("bench_agent_overhead:paced", 64, count=8, n=8)
-    durations = [o.info["seconds"] for o in finished.outcomes if o.status == "ok"]
     engine.close()
     ratio = statistics.median(p["ratio"] for p in pairs)
     return {"bar": OVERHEAD_BAR, "threads": threads, "ratio_median": ratio, "met": ratio <= OVERHEAD_BAR,

@@ -66,7 +66,11 @@ class Agents:
                         sample = {**sample, "_base_url": endpoint.base_url(episode.index)}
                     outcomes[k] = await runners.run_episode(agent, episode, sample, p["timeout_s"], service)
 
-            await asyncio.gather(*(one(k, e) for k, e in enumerate(episodes)))
+            started = []
+            for k, episode in enumerate(episodes):  # one at a time, each let run a step before the next starts:
+                started.append(asyncio.ensure_future(one(k, episode)))  # the first turns reach the engine while
+                await asyncio.sleep(0)  # later episodes are still building theirs, not after all of them
+            await asyncio.gather(*started)
         finally:
             self.turns.forget()
             if endpoint is not None:

@@ -7,6 +7,7 @@
 #   2. vLLM's generation throughput at Qwen3-8B's shape (dummy weights): the strategy vs LLM.generate
 #   3. the weight sync into a real vLLM engine (ms per GB), beside the trainer's handoff alone
 #   4. tests/test_cuda.py, its vLLM tests first; 5. the actor's MFU on one GPU's share of the 8B graph
+#   6. the agent endpoint's overhead with the engine's compute on the device (data/agent carried: make agents)
 # OUT_DIR gets summary.txt (a line per step and the figures) and logs.tgz (every step's output),
 # both rewritten after each step: the device tool brings back few files.
 # With GPU_PARTS (scripts/gpu_wheels.sh), the PARTS parts there are unpacked into /tmp/site first.
@@ -91,3 +92,11 @@ tail -n 5 "$logs/test_cuda.out" | tee -a "$summary"
 # 5. the actor's MFU
 step mfu 150 $py scripts/bench_megatron.py --preset qwen3_8b_stage --device cuda --no-bare --json
 tail -n 12 "$logs/mfu.out" | tee -a "$summary"
+
+# 6. the agent endpoint's overhead where the engine's compute is on the device, not beside the agents
+if [ -f data/agent/model/config.json ]; then
+    step agents 200 $py scripts/bench_agent.py --overhead --rounds 5 --json
+    tail -n 1 "$logs/agents.out" | tee -a "$summary"
+elif [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" agents "* ]]; then
+    note "agents: skipped (no data/agent: make agents here, and carry it)"
+fi

@@ -50,4 +50,6 @@ echo "# device tool, one command per part, each within ~30 s of the last (a warm
 for i in $(seq 1 $((n - 1))); do
     echo "run carry=[\"$out/p$i\"]: mkdir -p /tmp/gpu_parts && cp $out/p$i/* /tmp/gpu_parts/ && ls /tmp/gpu_parts | wc -l"
 done
-echo "run carry=[\"$out/p$n\"]: mkdir -p /tmp/gpu_parts && cp $out/p$n/* /tmp/gpu_parts/ && GPU_PARTS=/tmp/gpu_parts PARTS=$n scripts/gpu_checks.sh \$OUT"
+# the agent demo's task (make agents, 4 MiB) rides with the last part, for the agents check
+agent=$([ -f data/agent/model/config.json ] && echo ", \"data/agent\"" || true)
+echo "run carry=[\"$out/p$n\"$agent]: mkdir -p /tmp/gpu_parts && cp $out/p$n/* /tmp/gpu_parts/ && GPU_PARTS=/tmp/gpu_parts PARTS=$n scripts/gpu_checks.sh \$OUT"

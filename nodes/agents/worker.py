@@ -67,10 +67,14 @@ class Agents:
                     outcomes[k] = await runners.run_episode(agent, episode, sample, p["timeout_s"], service)
 
             started = []
-            for k, episode in enumerate(episodes):  # one at a time, each let run a step before the next starts:
-                started.append(asyncio.ensure_future(one(k, episode)))  # the first turns reach the engine while
-                await asyncio.sleep(0)  # later episodes are still building theirs, not after all of them
-            await asyncio.gather(*started)
+            try:
+                for k, episode in enumerate(episodes):  # one at a time, each let run a step before the next
+                    started.append(asyncio.ensure_future(one(k, episode)))  # starts: the first turns reach the
+                    await asyncio.sleep(0)  # engine while later episodes still build theirs, not after all of them
+                await asyncio.gather(*started)
+            finally:  # a rollout stopped while they start leaves none running
+                for task in started:
+                    task.cancel()
         finally:
             self.turns.forget()
             if endpoint is not None:

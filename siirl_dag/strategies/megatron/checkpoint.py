@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 from typing import Any, Iterable
 
@@ -45,7 +46,13 @@ def _sharded(chunks: list[torch.nn.Module], state: Any, loading: bool, adapters_
 def save(chunks: list[torch.nn.Module], state: Any, directory: str, adapters_only: bool = False) -> None:
     """Model, or its adapters (and optimizer + LR schedule once training started), of every rank into `directory`."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    # The save is synchronous: its writers' results come back in this process, so they need no queue
+    # served by a multiprocessing manager (a spawned interpreter, ~4.5 s of CPU, that megatron starts
+    # at a process's first save for asynchronous saves)
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()

@@ -110,6 +110,20 @@ def test_colocated_meshes_share_processes(tmp_path):
     assert res.metrics["pid/gen"] == res.metrics["pid/same"] != res.metrics["pid/other"]
 
 
+@pytest.mark.parametrize("body, overrides, workers", [
+    ("[{id: gen, kind: t_expand, mesh: a, model: m}, {id: f, kind: t_fail, deps: [gen]},"
+     " {id: j, kind: t_join, deps: [f], params: {keys: [z]}}]", [], 1),
+    ("[{id: gen, kind: t_expand, mesh: a, model: m}, {id: f, kind: t_fail, deps: [gen]},"
+     " {id: j, kind: t_join, deps: [gen], params: {keys: [x]}}]", [], 2),
+    ("[{id: gen, kind: t_expand, mesh: a, model: m, weights_from: update}, {id: f, kind: t_fail, deps: [gen]},"
+     " {id: update, kind: t_update, deps: [f], mesh: b, model: m}]", ["runtime.schedule=one_step_off"], 2),
+], ids=["chain", "branches", "overlapped-batches"])
+def test_a_second_compute_worker_only_where_two_compute_nodes_can_run_at_once(tmp_path, body, overrides, workers):
+    meshes = '{a: "megatron:d1", b: "megatron:d1"}' if "mesh: b" in body else '{a: "megatron:d1"}'
+    pipe = pipeline(tmp_path, f"meshes: {meshes}\nnodes: {body}\n", *overrides)
+    assert Runtime(pipe)._compute_workers() == workers
+
+
 def _alive(pids):
     alive = []
     for pid in pids:
@@ -138,7 +152,7 @@ def test_failing_node_names_node_rank_host_and_tears_down(tmp_path):
     assert "step 3: node 'bad' failed on rank 0 (host " in msg and "ValueError: boom" in msg and "Traceback" in msg
     # each rank process logged to a file of its own; the failing one's last lines come with its error
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
-    assert [name.rsplit("-", 1)[0] for name in logs] == ["a-rank0", "a-rank1", "compute-rank0", "compute-rank0"]
+    assert [name.rsplit("-", 1)[0] for name in logs] == ["a-rank0", "a-rank1", "compute-rank0"]  # one compute node, one worker
     assert "the last lines of its log (" in msg and msg.rstrip().endswith("t_fail: about to fail")
     import time
 

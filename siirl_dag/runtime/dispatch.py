@@ -111,10 +111,17 @@ class Runtime:
     def create_group(self, group: str) -> list:
         """The workers of an anchor mesh (one per rank), or the pool of one-rank compute workers."""
         if group == COMPUTE:
-            return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(COMPUTE_WORKERS)]
+            return [self.backend.create_worker(COMPUTE, 0, 1, None) for _ in range(self._compute_workers())]
         mesh = self.pipe.plan.meshes[group]
         world = mesh.dims.world_size
         return [self.backend.create_worker(group, r, world, mesh.ranks[r].device) for r in range(world)]
+
+    def _compute_workers(self) -> int:
+        """COMPUTE_WORKERS where two compute nodes can run at once (neither upstream of the other, or the
+        batches of an overlapped schedule); else one: a process fewer to start, with nothing lost."""
+        compute = [n.id for n in self.pipe.nodes.values() if not n.mesh]
+        chained = all(a in self.upstream[b] or b in self.upstream[a] for i, a in enumerate(compute) for b in compute[i + 1:])
+        return 1 if chained and self.pipe.runtime.schedule == "sync" else COMPUTE_WORKERS
 
     def init_group(self, workers: list) -> None:
         """One torch.distributed group over a mesh's workers, rendezvous at rank 0."""

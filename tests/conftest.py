@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -43,13 +45,34 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def demo_data(tmp_path_factory):
-    """The demo task's parquet files (make_demo_task.py), written once for the session."""
+def made_once(tmp_path_factory, request) -> Callable[[str, Callable[[Path], object]], Path]:
+    """made_once(name, make): a folder made once for the whole run, under a lock in the folder
+    pytest-xdist's workers share: the first worker that needs it pays for `make(folder)`, the others
+    wait for it and read the files (a module's fixture would be made again on each worker its tests
+    land on)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base
+
+    def made(name: str, make: Callable[[Path], object]) -> Path:
+        out = shared / name
+        with open(f"{out}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / ".made").is_file():
+                shutil.rmtree(out, ignore_errors=True)
+                out.mkdir()
+                make(out)
+                (out / ".made").touch()
+        return out
+
+    return made
+
+
+@pytest.fixture(scope="session")
+def demo_data(made_once):
+    """The demo task's parquet files (make_demo_task.py), written once for the run."""
     from make_demo_task import write_task
 
-    out = tmp_path_factory.mktemp("demo")
-    write_task(out, seed=0)
-    return out
+    return made_once("demo", lambda out: write_task(out, seed=0))
 
 
 @pytest.fixture
@@ -70,18 +93,15 @@ def row_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, request) -> str:
-    """Made once for the session, under a lock in the folder pytest-xdist's workers share: the first
-    worker pays for transformers' model classes, the others only read the files."""
-    base = tmp_path_factory.getbasetemp()
-    out = (base.parent if hasattr(request.config, "workerinput") else base) / "tiny_model"
-    with open(f"{out}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").is_file():
-            from make_tiny_model import make_tiny_model
+def tiny_model_dir(made_once) -> str:
+    """Made once for the run: the first worker pays for transformers' model classes, the others only
+    read the files."""
+    def make(out: Path) -> None:
+        from make_tiny_model import make_tiny_model
 
-            make_tiny_model(out)
-    return str(out)
+        make_tiny_model(out)
+
+    return str(made_once("tiny_model", make))
 
 
 @pytest.fixture(scope="session")

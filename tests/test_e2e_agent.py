@@ -19,12 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def agent_task(tmp_path_factory) -> Path:
+def agent_task(made_once) -> Path:
     from make_agent_task import make_task
 
-    out = tmp_path_factory.mktemp("agent")
-    make_task(out, copy_target=0.0, min_calls=0.9, mix_steps=0)  # the call format learnt; the sums need not be right yet
-    return out
+    # the call format learnt; the sums need not be right yet
+    return made_once("agent", lambda out: make_task(out, copy_target=0.0, min_calls=0.9, mix_steps=0))
 
 
 def run_graph(folder: Path, task: Path, graph: str, *extra: str) -> dict:

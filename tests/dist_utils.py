@@ -1,8 +1,12 @@
-"""Helpers for multi-process tests: gloo ranks spawned with torch.multiprocessing, tiny HF models.
+"""Helpers for multi-process tests: gloo ranks started with torch.multiprocessing, tiny HF models.
 
-`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in fresh processes joined in
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in new processes joined in
 one process group (gloo; `backend="nccl"` for ranks on GPUs) and returns the per-rank results (an exception in any rank fails the call
 with that rank's traceback). `fn` must be importable (a module-level function).
+
+The ranks are forked from a server process that imported torch, Megatron, transformers and vLLM once for the
+test process (multiprocessing's forkserver): a fresh interpreter per rank spent 10-15 s of CPU on those
+imports alone. `fresh=True` spawns new interpreters, for what happens at import time (and for NCCL ranks).
 """
 
 from __future__ import annotations
@@ -30,9 +34,16 @@ def _pack(value: Any) -> bytes:
     return buf.getvalue()
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple, backend: str) -> None:
+# what every rank imports, once in the fork server (cpu_compat first: it quiets megatron's import)
+PRELOAD = ["torch", "siirl_dag.strategies.megatron.cpu_compat", "megatron.core", "siirl_dag.strategies.megatron.engine",
+           "transformers", "vllm.entrypoints.llm"]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple, backend: str, env: dict) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)  # the test's environment now, not the fork server's when it started
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
@@ -53,12 +64,17 @@ def _entry(fn: Callable, rank: int, world: int, port: int, queue, args: tuple, b
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo") -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo",
+              fresh: bool = False) -> list[Any]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
+    fresh = fresh or backend == "nccl"  # the fork server's imports may touch CUDA, which a fork does not survive
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args, backend)) for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args, backend, env)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

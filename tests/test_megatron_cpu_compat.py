@@ -37,7 +37,7 @@ def test_hf_loading_is_exact_after_the_shims(tmp_path):
     path = make_tiny_hf(str(tmp_path / "llama"), "llama", rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    (logits0, freq0), (logits1, freq1) = run_ranks(_hf_before_and_after, 1, path)[0]
+    (logits0, freq0), (logits1, freq1) = run_ranks(_hf_before_and_after, 1, path, fresh=True)[0]
     assert torch.equal(freq0, freq1)
     assert torch.equal(logits0, logits1)
 
@@ -80,7 +80,7 @@ def _raises(fn) -> bool:
 
 
 def test_shims_are_narrow_and_idempotent():
-    out = run_ranks(_narrow_and_idempotent, 1)[0]
+    out = run_ranks(_narrow_and_idempotent, 1, fresh=True)[0]
     assert out["same_proxy"] and out["not_rewrapped"] and out["clip_rebound"]
     assert out["megatron_device"] == "cpu" and out["megatron_factory"] == "cpu"
     assert out["global_cuda_untouched"] and out["global_factory_untouched"], "torch itself must be unchanged"
@@ -120,7 +120,7 @@ def _rng_and_norm(rank, world):
 
 
 def test_rng_tracker_uses_cpu_state_and_torch_norm_takes_sequence_parallel():
-    out = run_ranks(_rng_and_norm, 1)[0]
+    out = run_ranks(_rng_and_norm, 1, fresh=True)[0]
     assert out["restored"] and out["reproducible"]
     assert out["norm_type"] == "RMSNorm" and out["sp_tagged"] and out["plain_untagged"]
 
@@ -138,5 +138,5 @@ def _warnings_at_import(rank, world):
 def test_megatrons_warnings_about_cuda_only_libraries_are_not_shown():
     """Transformer Engine and Apex cannot run on CPU: megatron's import-time warnings that it falls back
     without them (seven at each rank's start) say nothing there."""
-    caught = run_ranks(_warnings_at_import, 1)[0]
+    caught = run_ranks(_warnings_at_import, 1, fresh=True)[0]
     assert not [m for m in caught if "not installed" in m], caught

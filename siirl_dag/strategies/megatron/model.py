@@ -105,7 +105,13 @@ def build_model(spec: HFSpec, config, mesh: ParallelDims, device: torch.device,
         )
         if spec.value_head and chunk.post_process:
             chunk.output_layer = ValueHead(config, chunk.output_layer.weight.device)
-        chunks.append(chunk.to(device))
+        chunk.to(device)
+        # the local spec's torch norms are made in float32 whatever params_dtype (megatron's own loop casts the
+        # whole model, Float16Module): every weight in params_dtype, as its mixed-precision optimizer expects
+        for p in chunk.parameters():
+            if p.dtype != config.params_dtype:
+                p.data = p.data.to(config.params_dtype)
+        chunks.append(chunk)
     load_hf(chunks, spec)
     if lora_spec is not None:
         lora.inject(chunks, lora_spec, seed)

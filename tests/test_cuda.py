@@ -147,7 +147,7 @@ def _vllm_moe_adapters(rank, world, path, adapters):
     from test_megatron_lora import EXPERTS
 
     engine = VllmRollout(RankContext(0, device="cuda"), {"path": path, "lora": EXPERTS},
-                         {"dtype": "float32", "max_model_len": 64, "enforce_eager": True, "gpu_memory_utilization": 0.3})
+                         {"dtype": "float16", "max_model_len": 64, "enforce_eager": True, "gpu_memory_utilization": 0.3})
     assert engine.adapters, "on a GPU an MoE model's adapters are served as adapters"
     engine.load_adapters(iter(adapters.items()), version=1)
     return engine.generate(["Q: 1+2=? A:", "Q: 20+3=? A:"], {"greedy": True}, 16, 8)
@@ -155,7 +155,8 @@ def _vllm_moe_adapters(rank, world, path, adapters):
 
 def test_vllm_applies_expert_adapters_from_memory_as_the_merged_model_computes(tmp_path):
     """vLLM's CUDA MoE LoRA, given adapters in memory (what an adapter-only sync delivers), computes as
-    the HF model with them merged (PEFT's W + scale * B A)."""
+    the HF model with them merged (PEFT's W + scale * B A), up to float16's rounding (its Triton LoRA
+    kernels take 16-bit weights only)."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -180,7 +181,7 @@ def test_vllm_applies_expert_adapters_from_memory_as_the_merged_model_computes(t
                        position_ids=batch["position_ids"]).logits[:, 15:23]
     ref = torch.log_softmax(logits.float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     mask = batch["response_mask"].bool()
-    torch.testing.assert_close(batch["rollout_logprobs"][mask], ref[mask], atol=1e-3, rtol=0)
+    torch.testing.assert_close(batch["rollout_logprobs"][mask], ref[mask], atol=2e-2, rtol=0)
 
 
 def _vllm_routes(rank, world, path):

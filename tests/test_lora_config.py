@@ -26,6 +26,11 @@ BASE = (CONFIG_BASE.replace("device: cpu", "device: DEVICE")
         .replace("    params: {mini_batch_size: 4}", "    options: TRAIN_OPTIONS\n    params: {mini_batch_size: 4}"))
 
 
+def bf16(text: str) -> str:
+    """The pipeline with its model in bfloat16, as a GPU's rollout of adapters takes it."""
+    return text.replace("dtype: float32", "dtype: bfloat16", 1)
+
+
 def pipeline(tmp_path, hf_config=DENSE, targets="[q_proj, k_proj, v_proj]", device="cpu",
              train_mesh="megatron:d2", train_options="{}", rollout_options="{n: 4}", edit=lambda t: t):
     model = tmp_path / "model"
@@ -96,13 +101,13 @@ def test_adapters_off_on_a_model_without_adapters(tmp_path):
 
 
 def test_context_parallel_is_refused_once_for_its_mesh(tmp_path):
-    p, line = refused(tmp_path, device="cuda", train_mesh="megatron:d1c2")
+    p, line = refused(tmp_path, device="cuda", train_mesh="megatron:d1c2", edit=bf16)
     assert p.path == ("meshes", "train") and line.strip().startswith("train:")
     assert "LoRA with context parallel (c2) is not supported" in p.message
 
 
 def test_grouped_gemm_experts_take_no_adapters(tmp_path):
-    p, _ = refused(tmp_path, hf_config=MOE, targets="[experts]", device="cuda", train_mesh="megatron:d2e2",
+    p, _ = refused(tmp_path, hf_config=MOE, targets="[experts]", device="cuda", train_mesh="megatron:d2e2", edit=bf16,
                    train_options="{moe_grouped_gemm: true}")
     assert p.path == ("nodes", 3, "options", "moe_grouped_gemm")
     assert "expected moe_grouped_gemm: false" in p.message
@@ -127,6 +132,16 @@ def test_a_dummy_base_cannot_take_adapters(tmp_path):
     p, line = refused(tmp_path, rollout_options="{n: 4, load_format: dummy}")
     assert p.path == ("nodes", 0, "options", "load_format") and "load_format: dummy" in line
     assert "expected load_format auto" in p.message
+
+
+def test_a_rollout_applying_adapters_on_cuda_computes_in_16_bits(tmp_path):
+    """vLLM's CUDA LoRA kernels take bfloat16 or float16 weights: float32 would fail its first rollout."""
+    p, line = refused(tmp_path, device="cuda", train_mesh="megatron:d1")
+    assert p.path == ("models", "policy", "dtype") and line.strip() == "dtype: float32"
+    assert "expected dtype bfloat16" in p.message
+    p, line = refused(tmp_path, device="cuda", train_mesh="megatron:d1", rollout_options="{n: 4, dtype: float32}",
+                      edit=bf16)
+    assert p.path == ("nodes", 0, "options", "dtype") and "dtype: float32" in line
 
 
 def test_cli_names_file_line_and_key_and_exits_2(tmp_path):

@@ -271,6 +271,11 @@ def _lora_problems(pipe: Pipeline) -> list[Problem]:
                 and lora.payload(spec, pipe.cluster.device)[0] == "adapters":
             problems.append(Problem(where + ("options", "load_format"), "a rollout that applies adapters to its base "
                                     "loads that base from the model folder; expected load_format auto"))
+        if node.strategy == "vllm" and pipe.cluster.device == "cuda" and options.get("dtype") == "float32" \
+                and lora.payload(spec, "cuda")[0] == "adapters":
+            at = ("models", node.model, "dtype") if pipe.models[node.model].dtype == "float32" else where + ("options", "dtype")
+            problems.append(Problem(at, "vLLM applies adapters on CUDA with Triton kernels that take 16-bit weights; "
+                                    "expected dtype bfloat16 (or float16) for this rollout"))
         if node.strategy != "megatron":
             continue
         dims = pipe.plan.meshes[node.mesh].dims

@@ -84,11 +84,11 @@ class VllmRollout(Strategy):
         )
         if self.adapters:  # one adapter, on every row (rows without one beside it would take the last slot on CPU)
             kwargs.update(enable_lora=True, max_lora_rank=self.lora.rank, max_loras=1)
-        if opts["return_routed_experts"]:  # for routing replay; recorded by the model runner V2 only
+        if opts["return_routed_experts"]:  # for routing replay
             if cpu_compat.active():
                 raise ConfigError(f"{ROUTES_NEED_GPU}; expected return_routed_experts: false on CPU",
                                   ("options", "return_routed_experts"))
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            # vLLM picks the GPU model runner that records routes (0.25: V1; V2 refuses them there)
             kwargs["enable_return_routed_experts"] = True
         if group and dist.get_world_size() != self.ctx.world_size:
             raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, the mesh {self.ctx.world_size}")

@@ -511,10 +511,14 @@ def test_a_failed_colocated_load_still_walks_the_trainers_export_to_its_end():
     assert engine.version == 0
 
 
-def test_a_sync_puts_the_exporting_trainer_on_the_device_first():
+def test_a_sync_puts_the_exporting_trainer_on_the_device_first(monkeypatch):
     """A third engine of the rank (a critic that updated after the actor, say) held the device: the
-    trainer's parameters must be back before its export reads them."""
+    trainer's parameters must be back before its export reads them. The allocator's cache (the trainer's
+    last activations) is given back before the rollout wakes."""
+    from siirl_dag.weight_sync import rank
+
     events = []
+    monkeypatch.setattr(rank, "free_allocator_cache", lambda: events.append("cache freed"))
 
     def resident(engine, name):
         engine.onload, engine.offload = (lambda: events.append(f"{name} on")), (lambda: events.append(f"{name} off"))
@@ -525,8 +529,12 @@ def test_a_sync_puts_the_exporting_trainer_on_the_device_first():
                       "c": resident(RecordingEngine(), "c")}
     worker.active = "c"
     worker.handoff_weights("t", "r", 1, "model")
-    assert events == ["c off", "t on", "r on", "t off"] and worker.active == "r"
+    assert events == ["c off", "cache freed", "t on", "r on", "t off"] and worker.active == "r"
     assert worker.engines["r"].loaded == ["w0", "w1"]
+    events.clear()
+    worker.active = "t"  # the usual turn: the trainer just updated
+    worker.handoff_weights("t", "r", 2, "model")
+    assert events == ["cache freed", "r on", "t off"] and worker.active == "r"
     events.clear()
     worker.active = "c"
     worker.walk_export("t", "model")

@@ -315,3 +315,25 @@ def test_moe_model_with_untied_head_takes_weight_updates(tmp_path):
         torch.testing.assert_close(batch["rollout_logprobs"][mask], hf_logprobs(hf_model(model_dir, state), batch)[mask],
                                    atol=1e-4, rtol=0)
     assert not torch.equal(outs[0]["responses"], outs[1]["responses"])
+
+
+def test_the_engine_sleeps_and_wakes_only_across_a_change(monkeypatch):
+    """On a GPU a colocated rollout sleeps for the trainer and wakes for itself; a wake of an engine that
+    is awake (a run's first sync: vLLM warns "Executor is not sleeping") or a sleep of one asleep never
+    reaches vLLM. vLLM stands in as a recorder: this is the strategy's own logic."""
+    from types import SimpleNamespace
+
+    from siirl_dag.strategies.vllm import rollout
+
+    calls = []
+    monkeypatch.setattr(rollout.cpu_compat, "active", lambda: False)
+    engine = VllmRollout.__new__(VllmRollout)
+    engine.options, engine._asleep, engine._needs_weights = {"sleep_level": 2}, False, False
+    engine.llm = SimpleNamespace(sleep=lambda level: calls.append(f"sleep {level}"), wake_up=lambda: calls.append("wake"))
+    engine.onload()
+    engine.offload()
+    engine.offload()
+    assert engine._needs_weights, "a level-2 sleep drops the weights: the next generate needs a sync first"
+    engine.onload()
+    engine.onload()
+    assert calls == ["sleep 2", "wake"]

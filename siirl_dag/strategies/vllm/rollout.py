@@ -62,6 +62,7 @@ class VllmRollout(Strategy):
         self.adapters = payload(self.lora, "cpu" if cpu_compat.active() else "cuda")[0] == "adapters"
         # True while the engine holds no complete weights: load_format dummy, a level-2 sleep, a failed load
         self._needs_weights = self.options["load_format"] == "dummy"
+        self._asleep = False  # vLLM warns at a wake of an engine that is not asleep (a run's first sync)
         # A TP group's message queue binds two ZMQ sockets as files in VLLM_RPC_BASE_PATH that nothing
         # removes, not even a clean shutdown: each engine's go into a folder of the process, removed at close
         self._left: list[str] = []  # files vLLM leaves behind (sockets; TP shared memory on CPU)
@@ -249,13 +250,15 @@ class VllmRollout(Strategy):
     def offload(self) -> None:
         """Free the device for a colocated trainer (vLLM sleep mode; on CPU, where vLLM has none, the
         engine keeps its weights and its kv_cache_gb of KV cache)."""
-        if not cpu_compat.active():
+        if not cpu_compat.active() and not self._asleep:
             self.llm.sleep(level=self.options["sleep_level"])
             self._needs_weights = self.options["sleep_level"] == 2
+            self._asleep = True
 
     def onload(self) -> None:
-        if not cpu_compat.active():
+        if self._asleep:
             self.llm.wake_up()
+            self._asleep = False
 
     def close(self) -> None:
         """Shut the engine down. vLLM's shutdown also destroys torch.distributed's default group:

@@ -7,7 +7,8 @@
 #   2. vLLM's generation throughput at Qwen3-8B's shape (dummy weights): the strategy vs LLM.generate
 #   3. the weight sync into a real vLLM engine (ms per GB), beside the trainer's handoff alone
 #   4. tests/test_cuda.py, its vLLM tests first; 5. the actor's MFU on one GPU's share of the 8B graph
-#   6. the agent endpoint's overhead with the engine's compute on the device (data/agent carried: make agents)
+#   6. the agent endpoint's overhead with the engine's compute on the device, its agents in one process and in
+#      four (data/agent carried: make agents)
 # OUT_DIR gets summary.txt (a line per step and the figures) and logs.tgz (every step's output),
 # both rewritten after each step: the device tool brings back few files.
 # With GPU_PARTS (scripts/gpu_wheels.sh), the PARTS parts there are unpacked into /tmp/site first.
@@ -82,6 +83,9 @@ tail -n 20 "$logs/vllm_8b.out" | tee -a "$summary"
 # 3. the sync into vLLM, per GB
 step sync 150 $py scripts/bench_weight_sync_cuda.py --bf16 --hidden 2048 --layers 16 --layouts colocated,vllm --repeats 5 --json
 grep -E '"layout"|sync_ms_per_GB|ratio_to_device|"bytes"|"mean"|"max"' "$logs/sync.out" | tee -a "$summary"
+# vLLM's loader has a fixed cost per tensor (17.5x a device copy at hidden 2048): how it weighs at a larger model
+step sync_4096 150 $py scripts/bench_weight_sync_cuda.py --bf16 --hidden 4096 --layers 16 --layouts vllm --repeats 5 --json
+grep -E '"layout"|sync_ms_per_GB|ratio_to_device|"bytes"' "$logs/sync_4096.out" | tee -a "$summary"
 
 # 4. the CUDA tests, vLLM's first
 step test_cuda_vllm 200 $py -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py -k vllm
@@ -95,8 +99,11 @@ tail -n 12 "$logs/mfu.out" | tee -a "$summary"
 
 # 6. the agent endpoint's overhead where the engine's compute is on the device, not beside the agents
 if [ -f data/agent/model/config.json ]; then
-    step agents 200 $py scripts/bench_agent.py --overhead --rounds 5 --json
+    step agents 200 $py scripts/bench_agent.py --overhead --rounds 9 --json
     tail -n 1 "$logs/agents.out" | tee -a "$summary"
+    # the first calls of 128 episodes leave one process one after another: in four, the ramp is a quarter
+    step agents4 200 $py scripts/bench_agent.py --overhead --rounds 9 --agent-processes 4 --json
+    tail -n 1 "$logs/agents4.out" | tee -a "$summary"
 elif [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" agents "* ]]; then
     note "agents: skipped (no data/agent: make agents here, and carry it)"
 fi

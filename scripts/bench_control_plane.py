@@ -2,13 +2,14 @@
 weight-sync paths over thousands of simulated ranks (runtime.backend=simulated), without a device.
 
     python scripts/bench_control_plane.py [--ranks 128 1024 4096] [--graphs moe dense] [--schedules sync async]
-                                          [--steps 6] [--ray-calls 2000] [--json]
+                                          [--steps 6] [--fan-out N] [--ray-calls 2000 [--block 64]] [--json]
 
 Each graph is scaled as a user would: more data-parallel replicas of the rollout and the trainer, and
 prompts per step in proportion (the graph's own per device). Each row runs in a fresh process: the
 driver's CPU seconds per step (steps after the first, before the last), split per phase and per node,
-its calls to ranks per step and its peak resident memory. With --ray-calls, what those calls would
-cost a Ray driver, at the CPU per actor call measured here.
+its calls per step (with runtime.fan_out, a leader's round of a block's calls is one) and the calls
+ranks take, and its peak resident memory. With --ray-calls, what those calls would cost a Ray driver,
+at the CPU per actor call and per leader's round measured here with real Ray actors.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Probe:
         self.wrap(MetricsLogger, "log", "logging")
 
 
-def measure(graph: str, ranks: int, schedule: str, steps: int) -> dict:
+def measure(graph: str, ranks: int, schedule: str, steps: int, fan_out: int | None) -> dict:
     """One row, in a process of its own: the real trainer over `ranks` simulated ranks."""
     from siirl_dag.config import load_pipeline
     from siirl_dag.trainer.loop import Trainer
@@ -130,6 +131,7 @@ def measure(graph: str, ranks: int, schedule: str, steps: int) -> dict:
     data, tokenizer = write_task(folder, prompts)
     model = next(iter(load_pipeline(ROOT / "graphs" / name, place=False).models))
     # the model's vocabulary, as its config would give it: the verified syncs' probe runs as it would
+    overrides += [f"runtime.fan_out={fan_out}"] if fan_out is not None else []
     overrides += [f"models.{model}.path={tokenizer}", f"models.{model}.override_config.vocab_size=151936",
                   f"data.train_batch_size={prompts}", "runtime.backend=simulated", f"runtime.schedule={schedule}", f"data.train_files={data}",
                   "data.val_files=null", f"trainer.total_steps={steps}", "trainer.total_epochs=1", "trainer.save_freq=0",
@@ -145,8 +147,9 @@ def measure(graph: str, ranks: int, schedule: str, steps: int) -> dict:
 
     def marked():
         backend = trainer.rt.backend
-        marks.append((time.process_time() - backend.answer_s, backend.answer_s, backend.calls, dict(probe.phase),
-                      dict(probe.node)))
+        marks.append((time.process_time() - backend.answer_s, backend.answer_s,
+                      {k: getattr(backend, k) for k in ("direct", "rounds", "fanned", "fanned_shards")},
+                      dict(probe.phase), dict(probe.node)))
         return step()
 
     trainer.train_step = marked
@@ -157,36 +160,76 @@ def measure(graph: str, ranks: int, schedule: str, steps: int) -> dict:
     k = len(marks) - 2
     return {"graph": graph, "ranks": ranks, "schedule": schedule, "steps": k, "place_s": round(placed_s, 3),
             "run_s": round(time.perf_counter() - t, 2), "driver_s_per_step": round((c1 - c0) / k, 4),
-            "ranks_answer_s_per_step": round((a1 - a0) / k, 4), "calls_per_step": (n1 - n0) // k,
+            "ranks_answer_s_per_step": round((a1 - a0) / k, 4),
+            "calls_per_step": (n1["direct"] + n1["rounds"] - n0["direct"] - n0["rounds"]) // k,
+            "per_step": {key: (n1[key] - n0[key]) // k for key in n1}, "fan_out": pipe.runtime.fan_out,
+            "largest_round": trainer.rt.backend.round_max,
             "phases_s_per_step": {p: round((p1[p] - p0.get(p, 0.0)) / k, 4) for p in sorted(p1)},
             "nodes_s_per_step": {n: round((d1[n] - d0.get(n, 0.0)) / k, 4) for n in sorted(d1)},
             "driver_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
 
 
 class Echo:
-    """A rank that answers at once (`ray_call_us`)."""
+    """A rank that answers at once (`ray_costs`)."""
 
     def run(self, *args):
         return None, {"rows": 0}
 
 
-def ray_call_us(calls: int) -> float:
-    """The driver's CPU microseconds per Ray actor call shaped as a node's (`RankWorker.run`'s arguments,
-    two returns), submitted and collected: what each call a simulated step counts costs a Ray driver."""
+RUN_ARGS = ("rollout", [([("raw_prompt", "raw_prompt")], [(0, 0, 16)])], 1, False, 7, 0, None, False, {})  # a node's
+
+
+ACTORS = 16  # the Ray actors `ray_costs` calls (a round of more calls comes back to them in turn)
+
+
+def ray_costs(calls: int, block: int) -> dict:
+    """What calls shaped as a node's (`RankWorker.run`'s arguments) cost on Ray here, in microseconds of
+    CPU: the driver's per direct call submitted and collected (`call_us`); through a leader, the
+    driver's per call of a round of `block` (`fanned_us`) and the extra of one that returns a shard's
+    reference too (`shard_us`: the driver borrows it from the leader), and the leader's per call it
+    makes (`leader_us`: a round's `block` calls take it that long, one after another)."""
     import ray
 
     from siirl_dag.runtime.backends import init_ray, stop_ray
+    from siirl_dag.runtime.fan_out import FanOut, RankLeader
 
     init_ray(num_cpus=1)
     try:
-        actor = ray.remote(Echo).remote()
-        args = ("rollout", [([("raw_prompt", "raw_prompt")], [(0, 0, 16)])], 1, False, 7, 0, None, False, {})
-        ray.get(actor.run.remote())
-        t = time.process_time()
-        ray.get([actor.run.options(num_returns=2).remote(*args)[1] for _ in range(calls)])
-        return (time.process_time() - t) / calls * 1e6
+        ranks = [ray.remote(Echo).options(num_cpus=0).remote() for _ in range(ACTORS)]
+        ray.get([r.run.remote() for r in ranks])
+        leader = ray.remote(RankLeader).options(num_cpus=0).remote(ranks)
+        fan = FanOut(ACTORS, lambda *_: leader, lambda lead, number, round_: lead.call.remote(number, round_),
+                     lambda refs, timeout: ray.get(refs, timeout=timeout))
+        for i, r in enumerate(ranks):
+            fan.add(r, "bench", 1, i, ACTORS + 1, i)  # one block, of all of them
+        targets = [ranks[i % ACTORS] for i in range(block)]
+        rounds = max(calls // block, 3)
+
+        def cpu_us(one_round) -> float:
+            """The driver's CPU microseconds per call."""
+            one_round()
+            t = time.process_time()
+            for _ in range(rounds):
+                one_round()
+            return (time.process_time() - t) / rounds / block * 1e6
+
+        def leader_cpu() -> float:
+            return ray.get(leader.__ray_call__.remote(lambda _: time.process_time()))
+
+        direct = cpu_us(lambda: ray.get([r.run.options(num_returns=2).remote(*RUN_ARGS)[1] for r in targets]))
+        before = leader_cpu()
+        fanned = cpu_us(lambda: fan.get([fan.call(r, "run", RUN_ARGS, {}, 1) for r in targets]))
+        leader_us = (leader_cpu() - before) / ((rounds + 1) * block) * 1e6
+        shards = cpu_us(lambda: fan.get([fan.call(r, "run", RUN_ARGS, {}, 2)[1] for r in targets]))
+        return {"call_us": direct, "fanned_us": fanned, "shard_us": max(shards - fanned, 0.0), "leader_us": leader_us}
     finally:
         stop_ray()
+
+
+def ray_seconds(per_step: dict, ray: dict) -> float:
+    """A step's calls at Ray's cost here (`ray_costs`): the direct ones, the fanned ones, their shards."""
+    return (per_step["direct"] * ray["call_us"] + per_step["fanned"] * ray["fanned_us"]
+            + per_step["fanned_shards"] * ray["shard_us"]) / 1e6
 
 
 def main() -> None:
@@ -195,30 +238,38 @@ def main() -> None:
     ap.add_argument("--graphs", nargs="+", choices=sorted(GRAPHS), default=["moe", "dense"])
     ap.add_argument("--schedules", nargs="+", choices=["sync", "async"], default=["sync", "async"])
     ap.add_argument("--steps", type=int, default=6, help="steps per row; the first and the last are not counted")
+    ap.add_argument("--fan-out", type=int, default=None, help="runtime.fan_out (default: the graph's; 0: no leaders)")
     ap.add_argument("--ray-calls", type=int, default=0, metavar="N",
-                    help="also time N Ray actor calls here, and project each row's calls at that cost")
+                    help="also time N Ray actor calls here, direct and through a leader, and project each row's calls")
+    ap.add_argument("--block", type=int, default=64, help="with --ray-calls: the calls of a leader's round (runtime.fan_out)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--row", nargs=3, metavar=("GRAPH", "RANKS", "SCHEDULE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.row:  # one row, in this fresh process: its peak memory is the row's
         graph, ranks, schedule = args.row
-        print(json.dumps(measure(graph, int(ranks), schedule, args.steps)))
+        print(json.dumps(measure(graph, int(ranks), schedule, args.steps, args.fan_out)))
         return
-    rows, call_us = [], ray_call_us(args.ray_calls) if args.ray_calls else None
-    if call_us:
-        print(f"Ray: {call_us:.0f} us of the driver's CPU per actor call (submitted and collected)")
+    rows, ray = [], ray_costs(args.ray_calls, args.block) if args.ray_calls else None
+    if ray:
+        print(f"Ray, the driver's CPU per call: {ray['call_us']:.0f} us direct; in rounds of {args.block} through a "
+              f"leader {ray['fanned_us']:.0f} us (+{ray['shard_us']:.0f} us with a shard's reference); the leader's "
+              f"{ray['leader_us']:.0f} us per call it makes")
     for graph in args.graphs:
         for schedule in args.schedules:
             for ranks in args.ranks if not (schedule == "async" and graph in COLOCATED) else ():
+                fan_out = [] if args.fan_out is None else ["--fan-out", str(args.fan_out)]
                 out = subprocess.run([sys.executable, __file__, "--row", graph, str(ranks), schedule, "--steps",
-                                      str(args.steps)], capture_output=True, text=True, check=True).stdout
+                                      str(args.steps), *fan_out], capture_output=True, text=True, check=True).stdout
                 row = json.loads(out.splitlines()[-1])
-                if call_us:
-                    row["ray_call_us"] = round(call_us, 1)
-                    row["ray_calls_s_per_step"] = round(row["calls_per_step"] * call_us / 1e6, 3)
+                if ray:
+                    row["ray"] = {k: round(v, 1) for k, v in ray.items()}
+                    row["ray_calls_s_per_step"] = round(ray_seconds(row["per_step"], ray), 3)
                 rows.append(row)
+                n = row["per_step"]
                 print(f"{graph:5} {schedule:5} {ranks:6} ranks: {row['driver_s_per_step']:.3f} s/step, "
-                      f"{row['calls_per_step']} calls/step, peak {row['driver_peak_gib']:.2f} GiB")
+                      f"{row['calls_per_step']} calls/step ({n['direct']} direct, {n['rounds']} rounds of up to "
+                      f"{row['largest_round']} holding {n['fanned']}), peak {row['driver_peak_gib']:.2f} GiB"
+                      + (f"; on Ray the calls: {row['ray_calls_s_per_step']:.3f} s/step" if ray else ""))
                 print("   phases: " + ", ".join(f"{p} {s:.3f}" for p, s in row["phases_s_per_step"].items()))
                 print("   nodes:  " + ", ".join(f"{n} {s:.3f}" for n, s in row["nodes_s_per_step"].items()), flush=True)
     if args.json:

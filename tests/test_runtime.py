@@ -243,19 +243,23 @@ def test_undeclared_output_is_an_error(tmp_path):
 
 @pytest.mark.engines
 @pytest.mark.usefixtures("ray_session")
-@pytest.mark.parametrize("retries", [0, 1])
-def test_retry_restarts_a_dead_actor(tmp_path, retries):
+@pytest.mark.parametrize("retries, b", [(0, "d1"), (1, "d1"), (0, "d2"), (1, "d2")],
+                         ids=["0", "1", "0-leaders", "1-leaders"])
+def test_retry_restarts_a_dead_actor(tmp_path, retries, b):
+    """On d2, mesh b's ranks are called through leaders (runtime.fan_out 1): a rank's death reaches the
+    driver through its leader, and the restarted group gets leaders of its own."""
     marker = tmp_path / "marker"
     pipe = pipeline(tmp_path, f"""
-        meshes: {{a: "megatron:d1", b: "megatron:d1"}}
+        meshes: {{a: "megatron:d1", b: "megatron:{b}"}}
         nodes:
           - {{id: gen, kind: t_expand, mesh: a, model: m}}
           - {{id: flaky, kind: t_flaky, deps: [gen], mesh: b, model: m, retry_limit: {retries}, params: {{marker: "{marker}"}}}}
-        """)
+        """, "runtime.fan_out=1")
     with Runtime(pipe) as rt:
         if retries:
             res = rt.run_step(prompts(3), step=0)
             assert torch.equal(rt.gather(res.outputs["flaky"], ["z"])["z"], torch.tensor([1.0, 101.0, 201.0]))
+            assert len(rt.backend.fan.leaders) == (4 if b == "d2" else 0)  # the dead group's two, the new one's two
         else:
             with pytest.raises(PipelineError, match="node 'flaky' failed"):
                 rt.run_step(prompts(3), step=0)
@@ -322,6 +326,31 @@ def test_local_and_ray_give_identical_results(tmp_path):
             results.append([rt.gather(r.outputs["join"], ["s"])["s"] for r in res])
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert not torch.equal(results[0][0], results[0][1]), "steps draw different noise"
+
+
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
+def test_ranks_called_through_leaders_give_what_direct_calls_give(tmp_path):
+    """runtime.fan_out 1: every mesh of two ranks or more is called through leaders, one per rank, as a
+    mesh of more than 64 is by default; the rows, their order and the noise drawn per rank are the same."""
+    body = """
+        meshes: {a: "megatron:d2", b: "megatron:d3", c: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m, params: {n: 3}}
+          - {id: noisy, kind: t_scale, deps: [gen], mesh: b, model: m, params: {noise: true}}
+          - {id: other, kind: t_scale, deps: [gen], mesh: c, model: m, params: {factor: 5, out: z}}
+          - {id: join, kind: t_join, deps: [noisy, other, gen], params: {keys: [x, y, z]}}
+        """
+    results, leaders = [], []
+    for fan_out in (0, 1):
+        with Runtime(pipeline(tmp_path, body, f"runtime.fan_out={fan_out}")) as rt:
+            res = [rt.run_step(prompts(7), step=s) for s in range(2)]
+            results.append([rt.gather(r.outputs["join"], ["s"])["s"] for r in res])
+            leaders.append(len(rt.backend.fan.leaders))
+            pids = {rt.backend.get(rt.backend.call(w, RankWorker.pid)) for w in rt.workers["b"]}
+    assert leaders == [0, 5] and len(pids) == 3  # a's two ranks and b's three; c's one rank is called directly
+    assert all(torch.equal(direct, fanned) for direct, fanned in zip(*results))
+    assert not torch.equal(results[1][0], results[1][1]), "steps draw different noise"
 
 
 def test_the_local_backend_delivers_any_error_at_get_as_ray_does():

@@ -37,7 +37,7 @@ nodes:
   - {{id: colo_rollout, kind: rollout, mesh: colo, model: policy, weights_from: actor_update, options: {rollout}}}
   - {{id: colo_logprob, kind: logprob, deps: [colo_rollout], mesh: train, model: policy, params: {{output: old_logprobs}}}}
 runtime: {{backend: ray, cpus_per_rank: 0.25, weight_sync_bucket_mb: 0.05, weight_sync_path: {path},
-           verify_probe_every: 1}}
+           verify_probe_every: 1, fan_out: {fan_out}}}
 """
 # load_format dummy: random weights until the runtime's start-up sync (which the first assertion checks)
 ROLLOUT = ("{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_model_len: 32, enforce_eager: true, "
@@ -45,13 +45,14 @@ ROLLOUT = ("{n: 2, temperature: 1.0, dtype: float32, kv_cache_gb: 0.05, max_mode
 TRAIN_STEP = ["rollout", "reward", "advantage", "old_logprob", "actor_update"]
 LOGPROB_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 # trainer layout -> (allocation, its world size, MoE model, path between the separate meshes, the separate
-# rollout's allocation: the MoE one shards its experts over two TP ranks). No TP1 layout of its own (each
-# layout is an engine start-up of about two minutes): a one-rank trainer's sync to real engines runs in
-# test_e2e, test_weight_sync_delta and test_lora_sync, and pp2 asks for `auto` (shared memory on one CPU machine)
+# rollout's allocation: the MoE one shards its experts over two TP ranks, runtime.fan_out). No TP1 layout of
+# its own (each layout is an engine start-up of about two minutes): a one-rank trainer's sync to real engines
+# runs in test_e2e, test_weight_sync_delta and test_lora_sync, and pp2 asks for `auto` (shared memory on one
+# CPU machine). ep2 calls every rank through leaders (fan_out 1), as meshes of more than 64 ranks are called
 LAYOUTS = {
-    "tp2": ("t2", 2, False, "process_group", "d1"),
-    "pp2": ("p2", 2, False, "auto", "d1"),
-    "ep2": ("d2e2", 2, True, "process_group", "t2"),
+    "tp2": ("t2", 2, False, "process_group", "d1", 0),
+    "pp2": ("p2", 2, False, "auto", "d1", 0),
+    "ep2": ("d2e2", 2, True, "process_group", "t2", 1),
 }
 
 
@@ -130,12 +131,13 @@ def _zero_half_of_a_tensor(worker: RankWorker) -> None:
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trained_weights_reach_separate_and_colocated_rollouts(tmp_path, tiny_model_dir, moe_model_dir, layout):
-    train, world, moe, path, gen = LAYOUTS[layout]
+    train, world, moe, path, gen, fan_out = LAYOUTS[layout]
     f = tmp_path / "p.yaml"
     devices = world + parse_allocation(f"vllm:{gen}")[0].dims.world_size
     f.write_text(PIPELINE.format(devices=devices, model=moe_model_dir if moe else tiny_model_dir, train=train,
-                                 world=world, gen=gen, rollout=ROLLOUT, path=path))
+                                 world=world, gen=gen, rollout=ROLLOUT, path=path, fan_out=fan_out))
     with Runtime(load_pipeline(f, []), progress=lambda *_: None) as rt:
+        assert len(rt.backend.fan.leaders) == 4 * fan_out  # the trainer's two ranks, the rollout's two
         expected = "shared_memory" if path == "auto" else path
         assert rt.routes["rollout"].path == expected and rt.routes["colo_rollout"].path == "colocated"
         step = rt.collect(rt.run_step(prompts(0), step=0, nodes=TRAIN_STEP),

@@ -10,6 +10,7 @@ from siirl_dag.dataflow import read_via_from
 from siirl_dag.errors import ConfigError
 from siirl_dag.graph import phases_of
 from siirl_dag.placement import allocation_world_size, component_to_json, parse_allocation
+from siirl_dag.runtime.fan_out import leaders
 from siirl_dag.trainer import timings
 from siirl_dag.weight_sync.routes import routes_json
 
@@ -60,6 +61,14 @@ def _reads(pipe, node) -> str:
     return via + (f"; reads {bound}" if bound else "") + (f"; metrics under '{policy}'" if policy else "")
 
 
+def _fanned(pipe) -> list[tuple[str, int, int]]:
+    """(mesh, ranks, leaders) of each mesh whose ranks the driver calls through leaders (runtime.fan_out)."""
+    if not pipe.plan or pipe.runtime.backend != "ray":
+        return []
+    worlds = [(name, m.dims.world_size) for name, m in pipe.plan.meshes.items() if m.colocated_with is None]
+    return [(name, world, n) for name, world in worlds if (n := leaders(world, pipe.runtime.fan_out))]
+
+
 def main(args) -> int:
     if args.alloc:
         if args.pipeline:
@@ -79,6 +88,7 @@ def main(args) -> int:
                           "policies": list(pipe.policies),
                           "memory": pipe.memory.to_json() if pipe.memory else None,
                           "weight_sync": routes_json(pipe), "warnings": [w.to_json() for w in pipe.warnings],
+                          "leaders": {mesh: n for mesh, _, n in _fanned(pipe)},
                           "schedule": {"name": pipe.runtime.schedule, "staleness": pipe.runtime.staleness,
                                        "ahead": [n for n in pipe.nodes if n in ahead],
                                        "depth": schedule.depth(pipe.runtime)},
@@ -101,6 +111,9 @@ def main(args) -> int:
               f"{r['mode']} ({r['mode_reason']})")
     if ahead := schedule.describe(pipe):
         print(f"  {ahead}")
+    for mesh, world, n in _fanned(pipe):
+        print(f"  calls to mesh '{mesh}' ({world} ranks): through {n} leaders, one per {pipe.runtime.fan_out} ranks "
+              "(runtime.fan_out)")
     phases = phases_of(pipe)
     if phases:
         print("  " + phases.describe(list(pipe.nodes), pipe.data.train_batch_size))

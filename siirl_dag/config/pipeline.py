@@ -181,6 +181,7 @@ class RuntimeSpec:
     verify_probe_every: int
     weight_sync_bucket_mb: float
     cpus_per_rank: float
+    fan_out: int  # ranks per leader on a larger mesh (runtime.fan_out); 0: none
     stop_grace_s: float
 
 

@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable
 
 from siirl_dag.runtime import machines
+from siirl_dag.runtime.fan_out import Fanned, FanOut, RankLeader
 from siirl_dag.runtime.worker import RankWorker
 
 
@@ -59,6 +60,10 @@ class LocalBackend:
 
     def fetch(self, ref):
         return ref
+
+    def output(self, ref):
+        """A call's first return as other calls take it (`RankWorker.run`'s shard): its value, here."""
+        return self.get(ref)
 
     def put(self, value):
         """`value` as a shard's reference: itself, in this process."""
@@ -165,6 +170,9 @@ class RayBackend:
         self.actors: list = []
         self.machines: list[machines.Machine] = []
         self.made: dict[tuple[str, int], int] = {}  # workers made per (group, rank), which names them in Ray
+        # a large mesh's ranks are called through leaders, one per runtime.fan_out ranks (runtime.fan_out)
+        self.fan = FanOut(pipeline.runtime.fan_out, self._start_leader,
+                          lambda leader, number, calls: leader.call.remote(number, calls), self._ray_get)
 
     def start(self) -> None:
         import ray
@@ -198,15 +206,37 @@ class RayBackend:
         actor = ray.remote(RankWorker).options(**options).remote(group, rank, world, cluster.device, threads,
                                                                  self.log_dir and str(self.log_dir), own_process=True)
         self.actors.append(actor)
+        self.fan.add(actor, group, made, rank, world, device)
         return actor
 
+    def _start_leader(self, workers: list, device: int):
+        """A block's leader (`fan_out.RankLeader`), on the machine of its first rank, holding no resource."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = self.machines[device // self.pipeline.cluster.devices_per_node].node_id
+        leader = ray.remote(RankLeader).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(workers)
+        self.actors.append(leader)
+        return leader
+
     def call(self, worker, method: Callable, *args, num_returns: int = 1, **kwargs):
+        if self.fan.fanned(worker):
+            return self.fan.call(worker, method.__name__, args, kwargs, num_returns)
         return getattr(worker, method.__name__).options(num_returns=num_returns).remote(*args, **kwargs)
 
     def get(self, ref, timeout: float | None = None):
+        return self.fan.get(ref, timeout) if isinstance(ref, list) else self.fan.get([ref], timeout)[0]
+
+    @staticmethod
+    def _ray_get(refs: list, timeout: float | None) -> list:
         import ray
 
-        return ray.get(ref, timeout=timeout)
+        return ray.get(refs, timeout=timeout)
+
+    def output(self, ref):
+        """A call's first return as other calls take it: its reference (a leader's answer holds it)."""
+        return self.get(ref) if isinstance(ref, Fanned) else ref
 
     def fetch(self, ref):
         """A shard from the object store, or one held here (read back from a checkpoint)."""
@@ -226,10 +256,15 @@ class RayBackend:
         wait per call would cost the driver calls x pending."""
         import ray
 
-        ready, rest = ray.wait(pending, num_returns=1)
+        self.fan.flush()
+        waitable = {}  # the references to wait on (a handle's: its round's) -> the calls they finish
+        for call in pending:
+            waitable.setdefault(self.fan.waitable(call), []).append(call)
+        refs = list(waitable)
+        ready, rest = ray.wait(refs, num_returns=1)
         if rest:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-        return ready
+        return [call for ref in ready for call in waitable[ref]]
 
     def kill(self, worker) -> None:
         import ray
@@ -248,6 +283,7 @@ class RayBackend:
 
         if not ray.is_initialized():
             return
+        self.fan.flush()  # calls not waited for (closing pipes) reach their ranks before they are killed
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

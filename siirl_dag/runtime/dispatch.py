@@ -230,12 +230,13 @@ class Runtime:
                 inputs.append((keys, [(len(refs) + i, a, b) for i, (_, a, b) in enumerate(parts)]))
                 refs += [ref for ref, _, _ in parts]
             args.append((inputs, refs))
-        calls, ranks = [], []
+        calls, ranks = [], []  # per rank: (its output's reference, its info's); an output rank's alone returns both
         for worker, role in roles:
             inputs, refs = args[role.dp_rank]
-            calls.append(self.backend.call(worker, RankWorker.run, node_id, inputs, step, validating,
-                                           (seed_base + role.dp_rank) % (2**31), min_version, segment_tokens, resuming,
-                                           *refs, num_returns=2))
+            call = self.backend.call(worker, RankWorker.run, node_id, inputs, step, validating,
+                                     (seed_base + role.dp_rank) % (2**31), min_version, segment_tokens, resuming,
+                                     *refs, num_returns=2 if role.output_rank else 1)
+            calls.append(tuple(call) if role.output_rank else (None, call))
             ranks.append((role.dp_rank, role.output_rank))
         remaining = [] if self.backend.immediate else [c[1] for c in calls]
         return Running(node_id, calls, ranks, time.perf_counter(), job=job_id, remaining=remaining)
@@ -252,8 +253,7 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - a node failure, a dead actor, or a lost object
             return self.recovery.retry_or_raise(run, exc, result, job, validating, others)
         end = time.perf_counter()
-        immediate = self.backend.immediate
-        by_dp = sorted(((dp, self.backend.get(call[0]) if immediate else call[0], info)
+        by_dp = sorted(((dp, self.backend.output(call[0]), info)
                         for (dp, is_out), call, info in zip(run.ranks, run.calls, infos) if is_out), key=lambda x: x[0])
         if self.trace is not None:  # a span per rank, on the rank's own clock
             for rank, ((dp, _), info) in enumerate(zip(run.ranks, infos)):

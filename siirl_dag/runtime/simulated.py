@@ -21,6 +21,7 @@ import torch
 from siirl_dag.dataflow import SOURCE_KEYS, expansion
 from siirl_dag.runtime.backends import LocalBackend, _Done
 from siirl_dag.runtime.batch import Batch
+from siirl_dag.runtime.fan_out import FanOut
 from siirl_dag.runtime.worker import NodeError, RankWorker, RoleSpec
 
 META_KEYS = (*SOURCE_KEYS, "finish_reason")  # per-row lists, not tensors
@@ -81,8 +82,7 @@ class SimulatedRank:
         info = {"rows": rows, "keys": list(keys), "metrics": {}, "tokens": tokens if role.output_rank else None,
                 "output_rank": role.output_rank, "span": (now, now), "weights_version": version, "peak_gb": 0.0,
                 "versions": [(version or 0, version or 0, rows)] if stamped else []}
-        shard = SimulatedShard(keys, rows, version or 0, data.max_response_length) if role.output_rank else None
-        return shard, info
+        return (SimulatedShard(keys, rows, version or 0, data.max_response_length), info) if role.output_rank else info
 
     def open_pipe(self, name: str, make, delta: bool = False) -> "SimulatedPipe":
         return SimulatedPipe()  # `make` would build a real channel or group: not here
@@ -144,27 +144,57 @@ ANSWERS = {
 
 
 class SimulatedBackend(LocalBackend):
-    """Handles for workers; counts the calls the driver makes (`calls`) and the CPU seconds the handles
-    took to answer them (`answer_s`: the ranks' share, not the driver's). Its calls return references
-    the driver waits for and keeps, as Ray's do, so the driver takes Ray's paths."""
+    """Handles for workers; counts what a Ray driver would call: `direct` calls to ranks and compute
+    workers, `rounds` of a block's calls sent to its leader (runtime.fan_out, `fan_out.FanOut`), the
+    `fanned` calls those rounds hold and how many of them return a shard's reference as well
+    (`fanned_shards`), the largest round (`round_max`); and the CPU seconds the handles took to answer
+    (`answer_s`: the ranks' share, not the driver's). Its calls return references the driver waits for
+    and keeps, as Ray's do, so the driver takes Ray's paths."""
 
     name = "simulated"
     immediate = False
 
     def __init__(self, pipeline, address: str | None = None, log_dir=None):
         super().__init__(pipeline, address, log_dir)
-        self.calls, self.answer_s = 0, 0.0
+        self.direct, self.rounds, self.fanned, self.fanned_shards, self.round_max, self.answer_s = 0, 0, 0, 0, 0, 0.0
+        self.made: dict[tuple[str, int], int] = {}
+        self.fan = FanOut(pipeline.runtime.fan_out, lambda workers, device: None, self._round, get=None)
+
+    @property
+    def calls(self) -> int:
+        """The calls the driver makes: one per direct call, one per round."""
+        return self.direct + self.rounds
 
     def create_worker(self, group: str, rank: int, world: int, device: int | None) -> SimulatedRank:
-        return SimulatedRank(group, rank, self.pipeline)
+        worker = SimulatedRank(group, rank, self.pipeline)
+        made = self.made[group, rank] = self.made.get((group, rank), 0) + 1
+        self.fan.add(worker, group, made, rank, world, device)
+        return worker
+
+    def _round(self, leader, number: int, calls: list) -> None:
+        self.rounds += 1
+        self.round_max = max(self.round_max, len(calls))
 
     def call(self, worker, method, *args, num_returns: int = 1, **kwargs):
-        self.calls += 1
+        if self.fan.fanned(worker):
+            self.fan.call(worker, method.__name__, (), {}, num_returns)  # counted in its round; answered here
+            self.fanned += 1
+            self.fanned_shards += num_returns > 1
+        else:
+            self.direct += 1
         t = time.process_time()
         try:
             return super().call(worker, ANSWERS[method], *args, num_returns=num_returns, **kwargs)
         finally:
             self.answer_s += time.process_time() - t
+
+    def get(self, done, timeout: float | None = None):
+        self.fan.flush()  # where a Ray driver sends its rounds
+        return super().get(done, timeout)
+
+    def wait(self, pending: list) -> list:
+        self.fan.flush()
+        return super().wait(pending)
 
     def fetch(self, ref):
         value = self.get(ref) if isinstance(ref, _Done) else ref

@@ -77,7 +77,7 @@ class Running:
     """A node dispatched to its ranks, not collected yet."""
 
     node: str
-    calls: list  # per rank: (wire, info) results or refs
+    calls: list  # per rank: (its output, its info) as results or refs; the output None off the output ranks
     ranks: list[tuple[int, int]]  # (dp_rank, output_rank flag) per call
     started: float
     job: int = 0  # its job's id (scheduler.Scheduler)

@@ -113,8 +113,9 @@ class RankWorker(SyncRank):
     # -- work -----------------------------------------------------------------------------------
     def run(self, node_id: str, inputs: list, step: int, validating: bool, seed: int, min_weights_version: int,
             segment_tokens: int | None, resuming: bool, *shards):
-        """Assemble this rank's input from shard pieces, run the node, return (wire, info). The shards
-        come as top-level arguments, so Ray fetches them before the call (and no reference is borrowed)."""
+        """Assemble this rank's input from shard pieces, run the node, return (wire, info) on an output
+        rank and info alone on the others (an object fewer to make, send and count). The shards come as
+        top-level arguments, so Ray fetches them before the call (and no reference is borrowed)."""
         role, began = self.roles[node_id], time.time()
         try:
             self._activate(role.engine_key)
@@ -133,7 +134,7 @@ class RankWorker(SyncRank):
                 "versions": version_counts(result) if role.output_rank else [],
                 "span": (began, time.time()), "weights_version": getattr(ctx.engine, "weights_version", None),
                 "peak_gb": _peak_gb()}
-        return (result.to_wire() if role.output_rank else None), info
+        return (result.to_wire(), info) if role.output_rank else info
 
     def _with_log(self, detail: str) -> str:
         """An error's traceback, with the last lines this rank logged before it (when it logs to a file)."""

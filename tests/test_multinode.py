@@ -1,7 +1,8 @@
 """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head without
 devices, and nodes of 2 CPU rank slots each). A run attached with --address places each plan
 machine on its own node, keeps tensor-parallel groups inside one, sends LoRA adapters from the
-trainer's machine to the rollout's (process_group), and leaves the cluster running;
+trainer's machine to the rollout's (process_group), and leaves the cluster running; the resumed run
+calls every rank through a leader on the rank's machine (runtime.fan_out 1);
 losing a node mid-run stops the run with one message naming the machine, its ranks and the step,
 leaves no rank process behind, and the same command resumes once the cluster has the devices again."""
 
@@ -49,12 +50,12 @@ def pipeline(folder: Path, model, data) -> str:
     return PIPELINE.format(devices=2, model=model, data=data, meshes=MESHES, out=folder, backend="ray")
 
 
-def start(folder: Path, address: str, name: str) -> tuple[subprocess.Popen, Path]:
+def start(folder: Path, address: str, name: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
     """The run, its stderr in a file (read while it runs), its stdout the JSON of its steps."""
     err = folder / f"{name}.err"
     with open(folder / f"{name}.out", "w") as out, open(err, "w") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "siirl_dag.main", str(folder / "pipeline.yaml"), "--address", address,
-                                 "--json", *QUICK, *STEPS], stdout=out, stderr=errors, text=True, cwd=ROOT)
+                                 "--json", *QUICK, *STEPS, *overrides], stdout=out, stderr=errors, text=True, cwd=ROOT)
     return proc, err
 
 
@@ -127,19 +128,21 @@ def test_a_lost_node_stops_the_run_and_the_same_command_resumes_across_nodes(tmp
 
     nodes[nodes.index(gen_node)] = head.add_node(num_cpus=2)  # devices again: the same command resumes
     head.wait_for_nodes()
-    proc, err = start(tmp_path, head.address, "resumed")
+    # resumed with every rank called through a leader of its own (runtime.fan_out 1), on the rank's machine
+    proc, err = start(tmp_path, head.address, "resumed", "runtime.fan_out=1")
     wait_for(lambda: "[runtime] ready" in err.read_text(), proc, err)
     machines = node_ids_of_machines(err.read_text())
     assert sorted(machines) == sorted(n.node_id[:8] for n in nodes)  # each machine its own node, never the head
     assert ranks_per_node(head.address) == {machines[0]: ["train:0", "train:1"], machines[1]: ["gen:0", "gen:1"]}
+    assert ranks_per_node(head.address, "RankLeader") == {machines[0]: 2, machines[1]: 2}
     assert proc.wait(timeout=600) == 0, err.read_text()[-3000:]
     assert f"[trainer] resumed from {ckpt / f'global_step_{last}'} at step {last}" in err.read_text()
     assert len(json.loads((tmp_path / "resumed.out").read_text())["steps"]) == 6 - last
     assert not head.head_node.dead_processes() and not any(n.dead_processes() for n in nodes)  # --address: left running
 
 
-def ranks_per_node(address: str) -> dict[str, list[str]]:
-    """The live rank workers (named mesh:rank by the run), per node."""
+def ranks_per_node(address: str, kind: str = "RankWorker") -> dict:
+    """The live rank workers (named mesh:rank by the run), per node; or how many leaders (`RankLeader`)."""
     import ray
     from ray._private.state import actors
 
@@ -151,6 +154,6 @@ def ranks_per_node(address: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for actor in table.values():
         name = actor["Name"] or ""
-        if actor["ActorClassName"] == "RankWorker" and actor["State"] == "ALIVE" and not name.startswith("__compute__"):
+        if actor["ActorClassName"] == kind and actor["State"] == "ALIVE" and not name.startswith("__compute__"):
             found.setdefault(actor["Address"]["NodeID"][:8], []).append(name)
-    return {node: sorted(names) for node, names in found.items()}
+    return {node: sorted(names) if kind == "RankWorker" else len(names) for node, names in found.items()}

@@ -296,7 +296,7 @@ def ray_placed(trainer_engine, *rollout_engines, verify: bool = True) -> Placed:
     from siirl_dag.runtime.backends import RayBackend
 
     workers = [ray_worker("train", "t", trainer_engine)] + [ray_worker("gen", "r", e) for e in rollout_engines]
-    return placed(RayBackend(SimpleNamespace(runtime=SimpleNamespace(address=None))), *workers, verify=verify)
+    return placed(RayBackend(SimpleNamespace(runtime=SimpleNamespace(address=None, fan_out=0))), *workers, verify=verify)
 
 
 def engines(pair: Placed) -> list:

@@ -170,6 +170,7 @@ class RayBackend:
         self.actors: list = []
         self.machines: list[machines.Machine] = []
         self.made: dict[tuple[str, int], int] = {}  # workers made per (group, rank), which names them in Ray
+        self.methods: dict[tuple, tuple] = {}  # (id(worker), method, num_returns) -> (worker, its bound method)
         # a large mesh's ranks are called through leaders, one per runtime.fan_out ranks (runtime.fan_out)
         self.fan = FanOut(pipeline.runtime.fan_out, self._start_leader,
                           lambda leader, number, calls: leader.call.remote(number, calls), self._ray_get)
@@ -210,20 +211,26 @@ class RayBackend:
         return actor
 
     def _start_leader(self, workers: list, device: int):
-        """A block's leader (`fan_out.RankLeader`), on the machine of its first rank, holding no resource."""
+        """A block's leader (`fan_out.RankLeader`), on the machine of its first rank (held there: a soft
+        affinity lets Ray start it on another node, the head say), holding no resource."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node = self.machines[device // self.pipeline.cluster.devices_per_node].node_id
         leader = ray.remote(RankLeader).options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(workers)
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(workers)
         self.actors.append(leader)
         return leader
 
     def call(self, worker, method: Callable, *args, num_returns: int = 1, **kwargs):
         if self.fan.fanned(worker):
             return self.fan.call(worker, method.__name__, args, kwargs, num_returns)
-        return getattr(worker, method.__name__).options(num_returns=num_returns).remote(*args, **kwargs)
+        key = (id(worker), method.__name__, num_returns)  # made once: `.options` costs about a third of a call
+        held, bound = self.methods.get(key, (None, None))
+        if held is not worker:
+            bound = getattr(worker, method.__name__).options(num_returns=num_returns)
+            self.methods[key] = (worker, bound)  # the worker held: its id is not reused while cached
+        return bound.remote(*args, **kwargs)
 
     def get(self, ref, timeout: float | None = None):
         return self.fan.get(ref, timeout) if isinstance(ref, list) else self.fan.get([ref], timeout)[0]
@@ -294,7 +301,7 @@ class RayBackend:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
-        self.actors, self.groups = [], []
+        self.actors, self.groups, self.methods = [], [], {}
         if self.started_ray:
             stop_ray()
             self.started_ray = False

@@ -57,7 +57,7 @@ def make_tokenizer() -> Qwen2Tokenizer:
 
 
 def make_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                intermediate_size, tie_word_embeddings, num_experts, special_ids, max_positions=1024):
+                intermediate_size, tie_word_embeddings, num_experts, special_ids, max_positions=1024, init_std=0.02):
     if arch not in CONFIGS:
         raise ValueError(f"arch {arch!r} is not one of {sorted(CONFIGS)}")
     head_dim = hidden_size // num_heads
@@ -70,7 +70,7 @@ def make_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_hea
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=max_positions, dtype="float32", **special_ids,
+        max_position_embeddings=max_positions, initializer_range=init_std, dtype="float32", **special_ids,
     )
     if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = head_dim
@@ -82,9 +82,9 @@ def make_config(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_hea
 
 def make_tiny_model(out_dir, arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=512, tie_word_embeddings=True, num_experts=0, seed=0, vocab_size=None,
-                    max_positions=1024, weights=True) -> str:
+                    max_positions=1024, weights=True, init_std=0.02) -> str:
     """Write a random-init model (safetensors, fp32; the config alone without `weights`) and its
-    tokenizer to `out_dir`; return the path."""
+    tokenizer to `out_dir`; return the path. `init_std`: the weights' normal init (transformers' default 0.02)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()
@@ -96,7 +96,7 @@ def make_tiny_model(out_dir, arch="qwen2", hidden_size=128, num_layers=2, num_he
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     config = make_config(arch, vocab_size or len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads,
-                         intermediate_size, tie_word_embeddings, num_experts, special_ids, max_positions)
+                         intermediate_size, tie_word_embeddings, num_experts, special_ids, max_positions, init_std)
     tokenizer.save_pretrained(out)
     if not weights:  # the architecture save_pretrained would record, by which engines pick the model class
         config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]

@@ -99,12 +99,13 @@ def training_batch(tokenizer, examples):
 
 def supervised(model, tokenizer, train, evaluate, seed: int, target: float, name: str = "warm start",
                lr: float = LR, max_steps: int = MAX_STEPS, eval_every: int = EVAL_EVERY,
-               must_reach: bool = True) -> tuple[int, float, float]:
-    """AdamW (linear warmup) on shuffled batches of `train` triples until evaluate(model), run every
-    `eval_every` steps, first reaches `target`; returns (steps, accuracy, seconds). Not reached in
-    `max_steps`: exits, or when not `must_reach` returns the last."""
+               must_reach: bool = True, decay: bool = False) -> tuple[int, float, float]:
+    """AdamW (linear warmup; with `decay`, then linear decay to 0 at `max_steps`) on shuffled batches of
+    `train` triples until evaluate(model), run every `eval_every` steps, first reaches `target`; returns
+    (steps, accuracy, seconds). Not reached in `max_steps`: exits, or when not `must_reach` returns the last."""
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda k: min(1.0, (k + 1) / WARMUP))
+    ramp = lambda k: min(1.0, (k + 1) / WARMUP, (max_steps - k) / (max_steps - WARMUP) if decay else 1.0)  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, ramp)
     rng = np.random.default_rng(seed)
     order, pos = rng.permutation(len(train)), 0
     start, acc = time.perf_counter(), 0.0

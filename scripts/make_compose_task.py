@@ -52,6 +52,7 @@ JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.97
 JUDGE_REAL = 2  # the demo model's samples per train question in the judge's training mix
 REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.95, 0.3, 3
 STUDENT_TARGET = 0.05
+SAMPLE_CHUNK = 1000  # questions a generate call in sample_demo (9,600 in one call: 9 s; in calls of 1,000: 6 s)
 
 
 def judge_label(response: str, ground_truth: str) -> str:
@@ -151,13 +152,16 @@ def sample_demo(demo: Path, questions, n: int, seed: int, greedy: bool = False) 
 
     tokenizer = AutoTokenizer.from_pretrained(demo / "model")
     model = AutoModelForCausalLM.from_pretrained(demo / "model", dtype=torch.float32).eval()
-    enc = tokenizer([p for p, _, _ in questions], return_tensors="pt", padding=True, padding_side="left")
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    texts = []
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        out = model.generate(**enc, max_new_tokens=8, num_return_sequences=n, **sampling,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for i in range(0, len(questions), SAMPLE_CHUNK):
+            enc = tokenizer([p for p, _, _ in questions[i:i + SAMPLE_CHUNK]], return_tensors="pt", padding=True,
+                            padding_side="left")
+            out = model.generate(**enc, max_new_tokens=8, num_return_sequences=n, **sampling,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return [texts[i * n:(i + 1) * n] for i in range(len(questions))]
 
 

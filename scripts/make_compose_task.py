@@ -6,9 +6,13 @@ Every model shares the demo's byte-level vocabulary, reads raw text (no chat tem
 (safetensors plus tokenizer) to OUT_DIR/<name> with a summary OUT_DIR/<name>.json:
 
 - judge: "{response} R: {ground_truth} V:" -> " 1" when gsm8k_score(response, ground_truth) is 1,
-  else " 0". Trained on a label-balanced mix of responses like a weak policy writes plus the demo model's
-  own samples on train questions, with the loss also on the reference (see reference_loss), until the
-  verdict is right on 97% of held-out questions' balanced and demo-sampled answers.
+  else " 0". Trained on a label-balanced mix of responses like a weak policy writes (wrong ones mostly
+  near misses) plus the demo model's own samples on train questions, with the loss also on the reference
+  (see reference_loss), for 600 steps with the learning rate decaying from 1e-3 to 0 (or until the verdict
+  is right on 97% of held-out questions' balanced and demo-sampled answers). Its weights start at std 0.06,
+  not transformers' 0.02: from 0.02 attention starts near uniform and the verdict sat at chance for ~1000
+  steps before it learned to compare the digits; from 0.06 it rises from step ~200-300. (At lr 1.5e-3 one
+  seed in four still trailed, 87% / 81% after 800 steps.)
 - reviewer: "{prompt}{response} F:" -> " #### {answer}". It starts out trusting the solver: warm-started to
   give the solver's answer where the solver wrote one (the sum where it did not), until it does so for
   95% of held-out answers sampled from the demo model. Its final answers are then right as often as
@@ -43,13 +47,14 @@ REVIEWER_TEMPLATE = "{prompt}{response} F:"
 STRAY = "abcxyzPQ#.,:;!?-+=()[]{}<>/\\|'\"`~@$%&*_ \t\x11\x1c\ufffd"
 TOKENS = re.compile(r"####|##|.", re.DOTALL)  # how the demo tokenizer splits ASCII text
 SHAPES = {
-    "judge": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
+    "judge": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, init_std=0.06),
     "reviewer": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "student": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512),
 }
-JUDGE_STEPS, JUDGE_EVAL_EVERY = 1500, 100
-JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.97, 1.5e-3, 20000, 200, 1000, 4
-JUDGE_REAL = 2  # the demo model's samples per train question in the judge's training mix
+JUDGE_STEPS, JUDGE_EVAL_EVERY = 600, 100
+JUDGE_TARGET, JUDGE_LR, JUDGE_TRAIN, JUDGE_VAL, JUDGE_TEST, JUDGE_SAMPLES = 0.97, 1e-3, 20000, 200, 1000, 4
+JUDGE_NEAR = 0.95  # near misses among the wrong answers the judge trains on (random ones are easy to tell)
+JUDGE_REAL = 1  # the demo model's samples per train question in the judge's training mix (6 s each)
 REVIEWER_TARGET, REVIEWER_P_RIGHT, REVIEWER_DRAWS = 0.95, 0.3, 3
 STUDENT_TARGET = 0.05
 SAMPLE_CHUNK = 1000  # questions a generate call in sample_demo (9,600 in one call: 9 s; in calls of 1,000: 6 s)
@@ -96,22 +101,24 @@ def malformed(rng: np.random.Generator, answer: int, other: int) -> str:
     return "".join(chars)
 
 
-def weak_response(rng: np.random.Generator, truth: int, p_right: float, p_malformed: float = 0.3) -> str:
-    """A response like a weak policy's: the right sum with probability `p_right`, else a near miss (2/3)
-    or a random number (1/3); written malformed with probability `p_malformed`."""
-    other = near_miss(rng, truth) if rng.random() < 2 / 3 else int(rng.integers(0, 200))
+def weak_response(rng: np.random.Generator, truth: int, p_right: float, p_malformed: float = 0.3,
+                  p_near: float = 2 / 3) -> str:
+    """A response like a weak policy's: the right sum with probability `p_right`, else a near miss
+    (`p_near`) or a random number; written malformed with probability `p_malformed`."""
+    other = near_miss(rng, truth) if rng.random() < p_near else int(rng.integers(0, 200))
     answer = truth if rng.random() < p_right else other
     if rng.random() < p_malformed:
         return malformed(rng, answer, near_miss(rng, truth) if answer == truth else truth)
     return f" #### {answer}"
 
 
-def judge_examples(rng, questions, n: int) -> list[tuple[str, str, str]]:
-    """`n` label-balanced judge triples (prompt, completion, "1"/"0") from (prompt, _, truth) questions."""
+def judge_examples(rng, questions, n: int, p_near: float = 2 / 3) -> list[tuple[str, str, str]]:
+    """`n` label-balanced judge triples (prompt, completion, "1"/"0") from (prompt, _, truth) questions,
+    of weak responses (see weak_response)."""
     buckets = {" 1": [], " 0": []}
     while min(map(len, buckets.values())) < n // 2:
         prompt, _, truth = questions[rng.integers(len(questions))]
-        response = weak_response(rng, int(truth), p_right=0.5)
+        response = weak_response(rng, int(truth), p_right=0.5, p_near=p_near)
         buckets[judge_label(response, truth)].append(judge_example(prompt, response, truth))
     return [ex for label in buckets for ex in buckets[label][:n // 2]]
 
@@ -205,14 +212,14 @@ def make_judge(out: Path, demo: Path, seed: int) -> None:
     fit = train_q[JUDGE_VAL:]
     real = [judge_example(p, r, t) for (p, _, t), rs in zip(fit, sample_demo(demo, fit, JUDGE_REAL, seed + 2))
             for r in rs]
-    train = [reference_loss(e) for e in judge_examples(rng, fit, JUDGE_TRAIN) + real]
+    train = [reference_loss(e) for e in judge_examples(rng, fit, JUDGE_TRAIN, JUDGE_NEAR) + real]
     val, test = judge_sets(rng, demo, train_q[:JUDGE_VAL], seed), judge_sets(rng, demo, test_q, seed + 1)
     both = lambda m, tok, sets: [greedy_accuracy(m, tok, s, exact) for s in sets]  # noqa: E731
     report = lambda m, tok: dict(zip(["balanced_accuracy", "demo_outputs_accuracy"], both(m, tok, test)),  # noqa: E731
                                  demo_outputs=len(test[1]), train_examples=len(train),
                                  demo_outputs_right=sum(lab == "1" for _, _, lab in test[1]) / len(test[1]))
     build(out, "judge", seed, train, lambda m, tok: min(verdict_accuracy(m, tok, s) for s in val), JUDGE_TARGET,
-          report, lr=JUDGE_LR, max_steps=JUDGE_STEPS, eval_every=JUDGE_EVAL_EVERY, must_reach=False)
+          report, lr=JUDGE_LR, max_steps=JUDGE_STEPS, eval_every=JUDGE_EVAL_EVERY, must_reach=False, decay=True)
 
 
 def trusted(response: str, truth: str) -> str:

@@ -148,7 +148,7 @@ def measure(graph: str, ranks: int, schedule: str, steps: int, fan_out: int | No
     def marked():
         backend = trainer.rt.backend
         marks.append((time.process_time() - backend.answer_s, backend.answer_s,
-                      {k: getattr(backend, k) for k in ("direct", "rounds", "fanned", "fanned_shards")},
+                      {k: getattr(backend, k) for k in ("calls", "direct", "rounds", "fanned", "fanned_shards")},
                       dict(probe.phase), dict(probe.node)))
         return step()
 
@@ -160,9 +160,8 @@ def measure(graph: str, ranks: int, schedule: str, steps: int, fan_out: int | No
     k = len(marks) - 2
     return {"graph": graph, "ranks": ranks, "schedule": schedule, "steps": k, "place_s": round(placed_s, 3),
             "run_s": round(time.perf_counter() - t, 2), "driver_s_per_step": round((c1 - c0) / k, 4),
-            "ranks_answer_s_per_step": round((a1 - a0) / k, 4),
-            "calls_per_step": (n1["direct"] + n1["rounds"] - n0["direct"] - n0["rounds"]) // k,
-            "per_step": {key: (n1[key] - n0[key]) // k for key in n1}, "fan_out": pipe.runtime.fan_out,
+            "ranks_answer_s_per_step": round((a1 - a0) / k, 4), "calls_per_step": (n1["calls"] - n0["calls"]) // k,
+            "per_step": {key: (n1[key] - n0[key]) // k for key in n1 if key != "calls"}, "fan_out": pipe.runtime.fan_out,
             "largest_round": trainer.rt.backend.round_max,
             "phases_s_per_step": {p: round((p1[p] - p0.get(p, 0.0)) / k, 4) for p in sorted(p1)},
             "nodes_s_per_step": {n: round((d1[n] - d0.get(n, 0.0)) / k, 4) for n in sorted(d1)},
@@ -201,7 +200,7 @@ def ray_costs(calls: int, block: int) -> dict:
         fan = FanOut(ACTORS, lambda *_: leader, lambda lead, number, round_: lead.call.remote(number, round_),
                      lambda refs, timeout: ray.get(refs, timeout=timeout))
         for i, r in enumerate(ranks):
-            fan.add(r, "bench", 1, i, ACTORS + 1, i)  # one block, of all of them
+            fan.add(r, "bench", i, ACTORS + 1, i)  # one block, of all of them
         targets = [ranks[i % ACTORS] for i in range(block)]
         rounds = max(calls // block, 3)
 

@@ -207,7 +207,7 @@ class RayBackend:
         actor = ray.remote(RankWorker).options(**options).remote(group, rank, world, cluster.device, threads,
                                                                  self.log_dir and str(self.log_dir), own_process=True)
         self.actors.append(actor)
-        self.fan.add(actor, group, made, rank, world, device)
+        self.fan.add(actor, group, rank, world, device)
         return actor
 
     def _start_leader(self, workers: list, device: int):

@@ -109,11 +109,14 @@ class FanOut:
         self.leaders: dict[tuple, Any] = {}
         self.rounds: dict[tuple, Round] = {}  # the rounds not sent yet
         self.sent: dict[tuple, int] = {}  # rounds sent per block
+        self.made: dict[tuple[str, int], int] = {}  # workers added per (group, rank): a restarted group's are new
 
-    def add(self, worker, group: str, generation: int, rank: int, world: int, device: int | None) -> None:
-        """Record a new worker; it reports through a leader when its group is larger than `size`."""
+    def add(self, worker, group: str, rank: int, world: int, device: int | None) -> None:
+        """Record a new worker; it reports through a leader when its group is larger than `size` (a group
+        made again after a restart gets blocks, and leaders, of its own)."""
         if device is None or not leaders(world, self.size):
             return
+        generation = self.made[group, rank] = self.made.get((group, rank), 0) + 1
         block = (group, generation, rank // self.size)
         members = self.blocks.setdefault(block, [])
         self.place[id(worker)] = (block, len(members))

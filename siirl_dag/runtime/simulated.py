@@ -157,7 +157,6 @@ class SimulatedBackend(LocalBackend):
     def __init__(self, pipeline, address: str | None = None, log_dir=None):
         super().__init__(pipeline, address, log_dir)
         self.direct, self.rounds, self.fanned, self.fanned_shards, self.round_max, self.answer_s = 0, 0, 0, 0, 0, 0.0
-        self.made: dict[tuple[str, int], int] = {}
         self.fan = FanOut(pipeline.runtime.fan_out, lambda workers, device: None, self._round, get=None)
 
     @property
@@ -167,8 +166,7 @@ class SimulatedBackend(LocalBackend):
 
     def create_worker(self, group: str, rank: int, world: int, device: int | None) -> SimulatedRank:
         worker = SimulatedRank(group, rank, self.pipeline)
-        made = self.made[group, rank] = self.made.get((group, rank), 0) + 1
-        self.fan.add(worker, group, made, rank, world, device)
+        self.fan.add(worker, group, rank, world, device)
         return worker
 
     def _round(self, leader, number: int, calls: list) -> None:

@@ -27,8 +27,8 @@ def test_correct_equals_verl(case):
     else:
         torch.testing.assert_close(weights, torch.tensor(case["weights"]), atol=1e-5, rtol=0)
     assert metrics and set(metrics) <= set(case["metrics"]), set(metrics) - set(case["metrics"])  # verl's names
-    for key, value in metrics.items():
-        assert value == pytest.approx(case["metrics"][key], rel=1e-5, abs=1e-6), key
+    for key, value in metrics.items():  # float32 means and stds: another CPU's kernels sum in another order
+        assert value == pytest.approx(case["metrics"][key], rel=1e-4, abs=1e-6), key
 
 
 def test_golden_covers_every_form():

@@ -353,6 +353,39 @@ def test_ranks_called_through_leaders_give_what_direct_calls_give(tmp_path):
     assert not torch.equal(results[1][0], results[1][1]), "steps draw different noise"
 
 
+@pytest.mark.engines
+@pytest.mark.usefixtures("ray_session")
+def test_shards_a_round_returns_reach_ranks_and_a_lost_one_fails_its_round_alone():
+    """A leader's shards travel as `Held` entries of one list: a leader hands its ranks what they stand
+    for, a direct reader brings them itself; a round reading a list that failed fails, the next runs."""
+    import ray
+
+    from siirl_dag.runtime.fan_out import FanOut, Held, RankLeader, hold, values
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def run(self, *shards):
+            return shards
+
+    @ray.remote(num_cpus=0)
+    def lost():
+        raise ValueError("the list's owner is gone")
+
+    ranks = [Rank.remote() for _ in range(2)]
+    leader = ray.remote(RankLeader).options(num_cpus=0).remote(ranks)
+    fan = FanOut(2, lambda *_: leader, lambda lead, number, calls: lead.call.remote(number, calls),
+                 lambda refs, timeout: ray.get(refs, timeout=timeout))
+    for i, rank in enumerate(ranks):
+        fan.add(rank, "g", i, 3, i)
+    held = hold([[ray.put("a"), ray.put("b")], [], [ray.put("c")]])
+    assert [len(h) for h in held] == [2, 0, 1] and len({h.refs for h in held[0] + held[2]}) == 1
+    assert values((1, held[2][0], held[0][1])) == (1, "c", "b")
+    assert fan.get([fan.call(ranks[1], "run", (held[0][0], 2, held[2][0]), {}, 1)]) == [("a", 2, "c")]
+    with pytest.raises(ValueError, match="owner is gone"):
+        fan.get([fan.call(ranks[0], "run", (Held(lost.remote(), 0),), {}, 1)])
+    assert fan.get([fan.call(ranks[0], "run", (held[0][1],), {}, 1)]) == [("b",)]
+
+
 def test_the_local_backend_delivers_any_error_at_get_as_ray_does():
     """torch's CheckpointException is a BaseException: it too must reach the caller through `get`."""
     from siirl_dag.runtime.backends import LocalBackend

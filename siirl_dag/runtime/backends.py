@@ -16,7 +16,7 @@ import threading
 from typing import Any, Callable
 
 from siirl_dag.runtime import machines
-from siirl_dag.runtime.fan_out import Fanned, FanOut, RankLeader
+from siirl_dag.runtime.fan_out import Fanned, FanOut, Held, RankLeader, values
 from siirl_dag.runtime.worker import RankWorker
 
 
@@ -246,9 +246,12 @@ class RayBackend:
         return self.get(ref) if isinstance(ref, Fanned) else ref
 
     def fetch(self, ref):
-        """A shard from the object store, or one held here (read back from a checkpoint)."""
+        """A shard from the object store (one a leader's round returned, `Held`, too), or one held here
+        (read back from a checkpoint)."""
         import ray
 
+        if isinstance(ref, Held):
+            return values((ref,))[0]
         return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
     def put(self, value):

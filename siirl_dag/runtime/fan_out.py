@@ -8,7 +8,10 @@ rounds when the driver next waits for anything: the calls the dispatcher makes t
 after another, leave as one call per block. Every call to a fanned rank goes through its leader, so a
 rank runs its calls in the order the driver made them, as Ray runs one caller's calls (a weight sync's
 parts after the node dispatched before it). A call's answer is its last return; the returns before it
-(a node's output shard) stay references, owned by the leader, kept where the rank stored them.
+(a node's output shard) stay references, owned by the leader, kept where the rank stored them, and
+reach the driver as `Held` entries of one list per round: the driver borrows one reference a round,
+not one a shard (each borrowed reference costs it ~50 us of Ray's bookkeeping). A leader hands its
+ranks the references a `Held` stands for; a rank called directly brings them itself (`values`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,49 @@ class Failed:
     ref: Any
 
 
+@dataclass(frozen=True)
+class Held:
+    """A shard a leader's round returned: entry `index` of the list of references `refs` stands for."""
+
+    refs: Any
+    index: int
+
+
+def hold(returns: list[list]) -> list[list]:
+    """Per call, its references in one object (put here, owned by the caller) as `Held` entries."""
+    import ray
+
+    flat = [ref for refs in returns for ref in refs]
+    if not flat:
+        return [[] for _ in returns]
+    listed, out, at = ray.put(flat), [], 0
+    for refs in returns:
+        out.append([Held(listed, at + i) for i in range(len(refs))])
+        at += len(refs)
+    return out
+
+
+async def _references(args: list) -> dict:
+    """The references behind the `Held` entries of `args`, per list object."""
+    lists = list(dict.fromkeys(a.refs for a in args if isinstance(a, Held)))
+    return dict(zip(lists, await asyncio.gather(*lists))) if lists else {}
+
+
+def values(shards: tuple) -> tuple:
+    """`shards` with each `Held` one brought here (a rank called directly, reading a leader's shards)."""
+    import ray
+
+    held = [i for i, s in enumerate(shards) if isinstance(s, Held)]
+    if not held:
+        return shards
+    lists = list(dict.fromkeys(shards[i].refs for i in held))
+    refs = dict(zip(lists, ray.get(lists)))
+    out = list(shards)
+    for i, value in zip(held, ray.get([refs[shards[i].refs][shards[i].index] for i in held])):
+        out[i] = value
+    return tuple(out)
+
+
 class RankLeader:
     """A Ray actor (async: it takes a round while another waits) calling a block of ranks. Ray does not
     promise to start an async actor's calls in the order they were made, so the rounds are numbered and
@@ -49,16 +95,20 @@ class RankLeader:
 
     async def call(self, number: int, calls: list[tuple]) -> list[list]:
         """Round `number` of `calls`: (rank index, method name, args, kwargs, num_returns). Per call, its
-        returns: the last one's value (or `Failed`), the others as references. Returns at the first
-        failure: the other parts of a weight sync may wait for the failed one forever."""
+        returns: the last one's value (or `Failed`), the others as `Held` references. Returns at the
+        first failure: the other parts of a weight sync may wait for the failed one forever."""
         returns = []
         async with self.turn:
             await self.turn.wait_for(lambda: self.next == number)
-            for index, method, args, kwargs, num_returns in calls:
-                out = self.method(index, method, num_returns).remote(*args, **kwargs)
-                returns.append(list(out) if num_returns > 1 else [out])
-            self.next += 1
-            self.turn.notify_all()
+            try:  # a shard read from a list that is gone fails the round, not the rounds after it
+                held = await _references([a for call in calls for a in call[2]])
+                for index, method, args, kwargs, num_returns in calls:
+                    args = [held[a.refs][a.index] if isinstance(a, Held) else a for a in args]
+                    out = self.method(index, method, num_returns).remote(*args, **kwargs)
+                    returns.append(list(out) if num_returns > 1 else [out])
+            finally:
+                self.next += 1
+                self.turn.notify_all()
         tasks = [asyncio.ensure_future(_answer(refs[-1])) for refs in returns]
         pending, failed = set(tasks), None
         while pending and failed is None:
@@ -66,8 +116,8 @@ class RankLeader:
             failed = next((t.result() for t in done if isinstance(t.result(), Failed)), None)
         for task in pending:
             task.cancel()
-        return [refs[:-1] + [task.result() if task.done() and not task.cancelled() else failed]
-                for refs, task in zip(returns, tasks)]
+        return [shards + [task.result() if task.done() and not task.cancelled() else failed]
+                for shards, task in zip(hold([refs[:-1] for refs in returns]), tasks)]
 
 
 async def _answer(ref):

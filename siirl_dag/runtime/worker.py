@@ -18,7 +18,7 @@ from typing import Any
 
 from siirl_dag import console
 from siirl_dag.refs import import_ref
-from siirl_dag.runtime import host_malloc
+from siirl_dag.runtime import fan_out, host_malloc
 from siirl_dag.runtime.batch import Batch, row_tokens, version_counts
 from siirl_dag.runtime.context import NodeContext
 from siirl_dag.strategies.base import RankContext
@@ -115,11 +115,12 @@ class RankWorker(SyncRank):
             segment_tokens: int | None, resuming: bool, *shards):
         """Assemble this rank's input from shard pieces, run the node, return (wire, info) on an output
         rank and info alone on the others (an object fewer to make, send and count). The shards come as
-        top-level arguments, so Ray fetches them before the call (and no reference is borrowed)."""
+        top-level arguments, so Ray fetches them before the call (and no reference is borrowed); those a
+        leader's round returned (`fan_out.Held`: a compute node reading a large mesh's) it brings here."""
         role, began = self.roles[node_id], time.time()
         try:
             self._activate(role.engine_key)
-            batch = _assemble(inputs, shards)
+            batch = _assemble(inputs, fan_out.values(shards))
             ctx = NodeContext(node=role.node, batch=batch, engine=self.engines.get(role.engine_key), data=role.data,
                               tokenizer_model=role.tokenizer_model, step=step, validating=validating, rank=self.rank,
                               dp_rank=role.dp_rank, dp_size=role.dp_size, seed=seed,

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,18 +176,41 @@ class Echo:
         return None, {"rows": 0}
 
 
+class AnsweringLeader:
+    """A leader's stand-in that answers a round at once, as `fan_out.RankLeader.call` answers (a call's
+    first returns as `Held` references it owns, its last as a value), without calling ranks: the
+    driver's CPU for a round is then its own work, not the CPU Ray's core spends while it waits
+    (`ray_costs`). Its shards are distinct objects, put ahead (a rank's output is one a call)."""
+
+    def __init__(self, block: int):
+        import ray
+
+        self.shards = [ray.put(None) for _ in range(block)]
+
+    def call(self, number, calls):
+        from siirl_dag.runtime.fan_out import hold
+
+        held = hold([self.shards[i:i + num_returns - 1] for i, (*_, num_returns) in enumerate(calls)])
+        return [refs + [(None, {"rows": 0})] for refs in held]
+
+
 RUN_ARGS = ("rollout", [([("raw_prompt", "raw_prompt")], [(0, 0, 16)])], 1, False, 7, 0, None, False, {})  # a node's
 
 
 ACTORS = 16  # the Ray actors `ray_costs` calls (a round of more calls comes back to them in turn)
+REPEATS = 5  # passes over the rounds `ray_costs` prices
 
 
 def ray_costs(calls: int, block: int) -> dict:
     """What calls shaped as a node's (`RankWorker.run`'s arguments) cost on Ray here, in microseconds of
-    CPU: the driver's per direct call submitted and collected (`call_us`); through a leader, the
-    driver's per call of a round of `block` (`fanned_us`) and the extra of one that returns a shard's
-    reference too (`shard_us`: the driver borrows it from the leader), and the leader's per call it
-    makes (`leader_us`: a round's `block` calls take it that long, one after another)."""
+    the driver's CPU: per direct call submitted and collected (`call_us`); through a leader, per round
+    sent and answered (`round_us`), per call it holds (`fanned_us`) and the extra of a call returning a
+    shard's reference too (`shard_us`: the driver borrows it from the leader). Ray's core also spends
+    CPU while the driver waits (`wait_us_per_s`, per second waited): a step waits on its ranks whatever
+    it calls, so the round prices come from a leader that answers at once (`AnsweringLeader`), and the
+    real leader's wait is reported beside them (`fanned_waiting_us`: per call, with the real leader's
+    64 calls one after another on this machine's cores). `leader_us`: the real leader's CPU per call it
+    makes (a round's `block` calls take it that long, one after another; leaders run side by side)."""
     import ray
 
     from siirl_dag.runtime.backends import init_ray, stop_ray
@@ -196,40 +220,60 @@ def ray_costs(calls: int, block: int) -> dict:
     try:
         ranks = [ray.remote(Echo).options(num_cpus=0).remote() for _ in range(ACTORS)]
         ray.get([r.run.remote() for r in ranks])
-        leader = ray.remote(RankLeader).options(num_cpus=0).remote(ranks)
-        fan = FanOut(ACTORS, lambda *_: leader, lambda lead, number, round_: lead.call.remote(number, round_),
-                     lambda refs, timeout: ray.get(refs, timeout=timeout))
-        for i, r in enumerate(ranks):
-            fan.add(r, "bench", i, ACTORS + 1, i)  # one block, of all of them
-        targets = [ranks[i % ACTORS] for i in range(block)]
+        real = ray.remote(RankLeader).options(num_cpus=0).remote(ranks)
+        answering = ray.remote(AnsweringLeader).options(num_cpus=0).remote(block)
         rounds = max(calls // block, 3)
 
-        def cpu_us(one_round) -> float:
-            """The driver's CPU microseconds per call."""
+        def fan_out(leader) -> FanOut:
+            fan = FanOut(ACTORS, lambda *_: leader, lambda lead, number, round_: lead.call.remote(number, round_),
+                         lambda refs, timeout: ray.get(refs, timeout=timeout))
+            for i, r in enumerate(ranks):
+                fan.add(r, "bench", i, ACTORS + 1, i)  # one block, of all of them
+            return fan
+
+        def cpu_us(one_round, per: int = 1) -> float:
+            """The driver's CPU microseconds per round, divided by `per`."""
             one_round()
             t = time.process_time()
             for _ in range(rounds):
                 one_round()
-            return (time.process_time() - t) / rounds / block * 1e6
+            return (time.process_time() - t) / rounds / per * 1e6
+
+        def round_of(fan: FanOut, size: int, num_returns: int):
+            targets = [ranks[i % ACTORS] for i in range(size)]
+            if num_returns == 1:
+                return lambda: fan.get([fan.call(r, "run", RUN_ARGS, {}, 1) for r in targets])
+            return lambda: fan.get([fan.call(r, "run", RUN_ARGS, {}, 2)[1] for r in targets])
 
         def leader_cpu() -> float:
-            return ray.get(leader.__ray_call__.remote(lambda _: time.process_time()))
+            return ray.get(real.__ray_call__.remote(lambda _: time.process_time()))
 
-        bound = [r.run.options(num_returns=2) for r in targets]  # as RayBackend.call keeps them
-        direct = cpu_us(lambda: ray.get([b.remote(*RUN_ARGS)[1] for b in bound]))
-        before = leader_cpu()
-        fanned = cpu_us(lambda: fan.get([fan.call(r, "run", RUN_ARGS, {}, 1) for r in targets]))
+        @ray.remote(num_cpus=0)
+        def sleeper(seconds):
+            time.sleep(seconds)
+
+        bound = [ranks[i % ACTORS].run.options(num_returns=2) for i in range(block)]  # as RayBackend.call keeps them
+        direct = cpu_us(lambda: ray.get([b.remote(*RUN_ARGS)[1] for b in bound]), block)
+        answers, passes = fan_out(answering), []
+        for _ in range(REPEATS):  # interleaved, the medians: the differences are small beside the noise
+            one, full, shards = (cpu_us(round_of(answers, size, returns)) for size, returns in ((1, 1), (block, 1), (block, 2)))
+            passes.append((one, max(full - one, 0.0) / (block - 1), max(shards - full, 0.0) / block))
+        one, fanned, shard = (statistics.median(p[i] for p in passes) for i in range(3))
+        waited = cpu_us(lambda: ray.get(sleeper.remote(0.2))) - cpu_us(lambda: ray.get(sleeper.remote(0.0)))
+        before, real_fan = leader_cpu(), fan_out(real)
+        waiting = cpu_us(round_of(real_fan, block, 1), block)
         leader_us = (leader_cpu() - before) / ((rounds + 1) * block) * 1e6
-        shards = cpu_us(lambda: fan.get([fan.call(r, "run", RUN_ARGS, {}, 2)[1] for r in targets]))
-        return {"call_us": direct, "fanned_us": fanned, "shard_us": max(shards - fanned, 0.0), "leader_us": leader_us}
+        return {"call_us": direct, "round_us": one, "fanned_us": fanned, "shard_us": shard, "wait_us_per_s": waited / 0.2,
+                "fanned_waiting_us": waiting, "leader_us": leader_us}
     finally:
         stop_ray()
 
 
 def ray_seconds(per_step: dict, ray: dict) -> float:
-    """A step's calls at Ray's cost here (`ray_costs`): the direct ones, the fanned ones, their shards."""
-    return (per_step["direct"] * ray["call_us"] + per_step["fanned"] * ray["fanned_us"]
-            + per_step["fanned_shards"] * ray["shard_us"]) / 1e6
+    """A step's calls at Ray's cost here (`ray_costs`): the direct ones, the rounds, the calls they hold,
+    their shards."""
+    return (per_step["direct"] * ray["call_us"] + per_step["rounds"] * ray["round_us"]
+            + per_step["fanned"] * ray["fanned_us"] + per_step["fanned_shards"] * ray["shard_us"]) / 1e6
 
 
 def main() -> None:
@@ -251,9 +295,10 @@ def main() -> None:
         return
     rows, ray = [], ray_costs(args.ray_calls, args.block) if args.ray_calls else None
     if ray:
-        print(f"Ray, the driver's CPU per call: {ray['call_us']:.0f} us direct; in rounds of {args.block} through a "
-              f"leader {ray['fanned_us']:.0f} us (+{ray['shard_us']:.0f} us with a shard's reference); the leader's "
-              f"{ray['leader_us']:.0f} us per call it makes")
+        print(f"Ray, the driver's CPU: {ray['call_us']:.0f} us per direct call; through a leader {ray['round_us']:.0f} us "
+              f"per round, {ray['fanned_us']:.1f} us per call it holds, +{ray['shard_us']:.0f} us per shard's reference; "
+              f"waiting {ray['wait_us_per_s']:.0f} us per second (a round of {args.block} to the real leader, waited "
+              f"for: {ray['fanned_waiting_us']:.0f} us per call); the leader's {ray['leader_us']:.0f} us per call it makes")
     for graph in args.graphs:
         for schedule in args.schedules:
             for ranks in args.ranks if not (schedule == "async" and graph in COLOCATED) else ():

@@ -151,7 +151,9 @@ def test_the_endpoint_samples_what_the_engines_own_loop_samples(warm_rollouts):
         (got, got_mask, got_logprobs), (want, want_mask, want_logprobs) = (
             to_last_turn(segment.ids, segment.mask, segment.logprobs), to_last_turn(ids, mask, logprobs))
         assert (segment.prompt_ids, got, got_mask) == (prompt_ids, want, want_mask)
-        assert got_logprobs == pytest.approx(want_logprobs, abs=1e-6)
+        # float32 log-probs of the same tokens from batches of other sizes: kernels that sum in another
+        # order (AVX-512 read 1.9e-6 at -2.6, 8 ulp)
+        assert got_logprobs == pytest.approx(want_logprobs, abs=1e-5)
 
 
 @pytest.mark.parametrize("agent", ["openai_agents_sdk", "langgraph_react"])

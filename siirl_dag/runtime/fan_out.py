@@ -10,7 +10,7 @@ rank runs its calls in the order the driver made them, as Ray runs one caller's 
 parts after the node dispatched before it). A call's answer is its last return; the returns before it
 (a node's output shard) stay references, owned by the leader, kept where the rank stored them, and
 reach the driver as `Held` entries of one list per round: the driver borrows one reference a round,
-not one a shard (each borrowed reference costs it ~50 us of Ray's bookkeeping). A leader hands its
+not one a shard (each borrowed reference costs it ~30 us of Ray's bookkeeping). A leader hands its
 ranks the references a `Held` stands for; a rank called directly brings them itself (`values`).
 """
 

@@ -146,6 +146,33 @@ async def probes_the_endpoint(client, sample: dict):
     return {"reward": 1.0, "info": {**codes, "names_the_model": float(served)}}
 
 
+async def speaks_responses(client, sample: dict):
+    """Two turns through the Responses API as a harness calls it: the first whole, the second streamed with
+    the first's output items sent back; then, over HTTP, a call that asks the endpoint to remember (400)."""
+    first = await client.responses.create(model=sample["model"], input=sample["prompt"], max_output_tokens=4)
+    items = [{"role": "user", "content": sample["prompt"]}, *(item.model_dump(exclude_none=True) for item in first.output),
+             {"role": "user", "content": "and then?"}]
+    kinds, deltas, last = [], [], None
+    async with await client.responses.create(model=sample["model"], input=items, max_output_tokens=4, stream=True) as stream:
+        async for event in stream:
+            kinds.append(event.type)
+            deltas += [event.delta] if event.type == "response.output_text.delta" else []
+            last = event.response if event.type in ("response.completed", "response.incomplete") else last
+    async with httpx.AsyncClient(trust_env=False) as http:
+        remote = openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, http_client=http, max_retries=0)
+        try:
+            await remote.responses.create(model=sample["model"], input="hi", previous_response_id=first.id)
+            chained = 200
+        except openai.APIStatusError as exc:
+            chained = exc.status_code
+    return {"reward": 1.0, "info": {
+        "first_has_text": float(first.status in ("completed", "incomplete") and first.usage.output_tokens > 0
+                                and first.output[0].type == "message"),
+        "stream_ends_with_the_response": float(kinds[0] == "response.created" and last is not None
+                                               and "".join(deltas) == last.output_text),
+        "chained": chained}}
+
+
 async def remembers_its_key(client, sample: dict):
     """Leaves its address and key where the test finds them (to call again after the rollout)."""
     await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=2)
@@ -178,9 +205,10 @@ def _calculate(expression: str) -> str:
         return f"error: {exc}"
 
 
-async def openai_agents_sdk(client, sample: dict):
-    """The calculator agent as the OpenAI Agents SDK writes it."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+async def openai_agents_sdk(client, sample: dict, responses_api: bool = False):
+    """The calculator agent as the OpenAI Agents SDK writes it, on its chat completions model."""
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
 
     set_tracing_disabled(True)
 
@@ -189,10 +217,15 @@ async def openai_agents_sdk(client, sample: dict):
         """Evaluate an arithmetic expression, e.g. 123+456*2."""
         return _calculate(expression)
 
-    agent = Agent(name="solver", tools=[calculator], model=OpenAIChatCompletionsModel(model=sample["model"], openai_client=client),
-                  model_settings=ModelSettings(parallel_tool_calls=False))
+    model = (OpenAIResponsesModel if responses_api else OpenAIChatCompletionsModel)(model=sample["model"], openai_client=client)
+    agent = Agent(name="solver", tools=[calculator], model=model, model_settings=ModelSettings(parallel_tool_calls=False))
     result = await Runner.run(agent, sample["prompt"], max_turns=3)
     return float(f"#### {sample['ground_truth']}" in str(result.final_output))
+
+
+async def openai_agents_sdk_responses(client, sample: dict):
+    """The same agent on the Agents SDK's default model, which calls the Responses API (/v1/responses)."""
+    return await openai_agents_sdk(client, sample, responses_api=True)
 
 
 async def langgraph_react(client, sample: dict):

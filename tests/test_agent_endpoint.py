@@ -129,6 +129,16 @@ def test_the_endpoint_answers_bad_calls_as_openai_does(vllm_engine, tmp_path):
     assert info["names_the_model"] == 1.0
 
 
+def test_the_responses_api_is_served_whole_and_streamed_on_one_episode(vllm_engine):
+    """A harness on the Responses API: its turns (the second streamed, the first's items sent back) extend
+    one segment; a request that asks the endpoint to remember a response is refused (400)."""
+    finished = run(vllm_engine, samples(2), agent="agents_for_tests:speaks_responses")
+    assert [o.status for o in finished.outcomes] == ["ok"] * 2, [o.error for o in finished.outcomes]
+    for episode, outcome in zip(finished.episodes, finished.outcomes):
+        assert outcome.info == {"first_has_text": 1.0, "stream_ends_with_the_response": 1.0, "chained": 400}
+        assert episode.turns == 2 and episode.prefix_breaks == 0 and len(episode.segments) == 1
+
+
 def test_the_endpoint_is_gone_when_the_rollout_ends(vllm_engine, tmp_path):
     left = tmp_path / "key.json"
     finished = run(vllm_engine, samples(1, path=str(left)), agent="agents_for_tests:remembers_its_key")

@@ -4,6 +4,7 @@ episodes' token bookkeeping, the reward node's use of agents' rewards, mini batc
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nodes.agents import openai_api
+from nodes.agents import openai_api, responses_api
 from nodes.agents.episode import Episode, Limits, TooLong, normalize
 from nodes.agents.openai_api import ApiError
 from nodes.chat_render import ChatRender
@@ -94,6 +95,91 @@ def test_log_probs_come_back_as_the_sampled_tokens_and_their_alternatives(tokeni
     assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -2.0] and content[1]["top_logprobs"][0]["token"] == \
         tokenizer.decode([5])
     assert content[0]["bytes"] == list(tokenizer.decode([70]).encode())
+
+
+CALC = {"type": "function", "name": "calc", "description": "adds", "parameters": {"type": "object"}, "strict": True}
+
+
+def read_responses(body: dict) -> responses_api.ResponsesRequest:
+    return responses_api.read({"model": "policy", **body}, "policy")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "hi", "model": "gpt-4.1"}, 404, "model"),
+    ({"input": "hi", "previous_response_id": "resp-1"}, 400, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv-1"}, 400, "conversation"),
+    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format"),
+    ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools.0"),
+    ({"input": "hi", "tools": [CALC], "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": []}, 400, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, 400, "input.0"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0"),
+    ({"input": [{"type": "function_call", "name": "calc"}]}, 400, "input.0"),
+])
+def test_responses_requests_the_endpoint_cannot_serve_faithfully_are_refused(body, status, param):
+    with pytest.raises(ApiError) as info:
+        read_responses(body)
+    assert (info.value.status, info.value.param) == (status, param)
+    assert info.value.body()["error"]["message"]
+
+
+def test_a_responses_request_is_the_chat_turn_the_chat_api_would_ask():
+    """Instructions, items and flat tools read into the messages and tools a chat client sends for the same
+    conversation (the Agents SDK's two models, say): the same prompt, so the same tokens."""
+    asked = read_responses({
+        "instructions": "be brief", "tools": [CALC], "parallel_tool_calls": False, "max_output_tokens": 7,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 2, "temperature": 0.3, "stream": True,
+        "input": [{"role": "user", "content": "Q: 1+1=? A:"},
+                  {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me see",
+                                                                         "annotations": []}]},
+                  {"type": "function_call", "call_id": "c0", "name": "calc", "arguments": '{"x": 1}'},
+                  {"type": "function_call_output", "call_id": "c0", "output": "2"},
+                  {"type": "function_call", "call_id": "c1", "name": "calc", "arguments": "{}"}]})
+    req = asked.chat
+    assert req.messages == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "Q: 1+1=? A:"},
+        {"role": "assistant", "content": "let me see", "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "2"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]}]
+    # key for key the chat shape the Agents SDK's chat model sends: the template renders them alike
+    assert req.tools == [{"type": "function", "function": {"name": "calc", "description": "adds",
+                                                            "parameters": {"type": "object"}, "strict": True}}]
+    assert json.dumps(req.tools[0]["function"]) == json.dumps({k: CALC[k] for k in ("name", "description", "parameters", "strict")})
+    assert (req.max_tokens, req.logprobs, req.top_logprobs, req.overridden, req.stream) == (7, True, 2, True, True)
+    assert req.parse_tool_calls and req.one_call_per_turn
+    assert read_responses({"input": "hi"}).chat.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_a_turn_comes_back_as_a_response_and_as_its_events():
+    asked = read_responses({"input": "hi", "tools": [CALC]})
+    message = {"role": "assistant", "content": "let me see", "tool_calls": [
+        {"id": "call-0-1-0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]}
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+    response = responses_api.answer(openai_api.chat_answer("chatcmpl-0-1", "policy", message, "tool_calls", usage, None), asked)
+    assert response["status"] == "completed" and response["incomplete_details"] is None
+    text, call = response["output"]
+    assert text["type"] == "message" and text["content"][0]["text"] == "let me see"
+    assert (call["type"], call["call_id"], call["name"], call["arguments"]) == ("function_call", "call-0-1-0", "calc", '{"x": 1}')
+    assert response["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 9,
+                                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 14}
+    # what an agent sends back next is the conversation it had: read, it is the assistant message the turn made
+    echoed = read_responses({"input": [{"role": "user", "content": "hi"}, *response["output"]], "tools": [CALC]})
+    assert normalize(echoed.chat.messages[-1]) == normalize(message)
+    events = responses_api.stream_events(response)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and events[-1]["response"] == response
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["delta"] for e in events if e["type"].endswith(".delta")] == ["let me see", '{"x": 1}']
+    assert responses_api.payload(events[:1]).startswith(b"event: response.created\ndata: {")
+    cut = responses_api.answer(openai_api.chat_answer("chatcmpl-0-2", "policy", {"role": "assistant", "content": "ab"},
+                                                      "length", usage, None), asked)
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert responses_api.stream_events(cut)[-1]["type"] == "response.incomplete"
 
 
 def test_chat_render_renders_only_what_follows_a_turn(tokenizer):

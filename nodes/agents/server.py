@@ -3,6 +3,7 @@
     GET  /v1/models                 the served model
     POST /v1/chat/completions       a turn of the episode the API key opens
     POST /v1/completions
+    POST /v1/responses              a chat turn, asked and answered in the Responses API's shapes (responses_api)
     (the same under /episodes/<i>/v1/...: each episode's own base URL, which checks the key is its own)
 
 It is reached two ways that answer alike (`Endpoint.reply`): over HTTP (aiohttp, on an ephemeral port,
@@ -23,12 +24,12 @@ from typing import Any, Mapping
 import httpx
 from aiohttp import web
 
-from nodes.agents import openai_api
+from nodes.agents import openai_api, responses_api
 from nodes.agents.openai_api import ApiError
 from nodes.agents.service import Service
 
-ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?P<call>models|chat/completions|completions)")
-METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST"}
+ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?P<call>models|chat/completions|completions|responses)")
+METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST", "responses": "POST"}
 
 
 @dataclass
@@ -36,11 +37,14 @@ class Reply:
     status: int
     body: dict[str, Any]
     chunks: list[dict[str, Any]] | None = None  # a streamed answer's server-sent events
+    named: bool = False  # the events are named by their type (the Responses API's stream)
 
     def payload(self) -> tuple[bytes, str]:
         """The reply's bytes and content type."""
         if self.chunks is None:
             return json.dumps(self.body).encode(), "application/json"
+        if self.named:
+            return responses_api.payload(self.chunks), "text/event-stream"
         events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in self.chunks)
         return (events + "data: [DONE]\n\n").encode(), "text/event-stream"
 
@@ -82,8 +86,8 @@ class Endpoint:
         try:
             route = ROUTE.fullmatch(path)
             if route is None:
-                raise ApiError(404, f"no such path: {path}; expected /v1/chat/completions, /v1/completions or "
-                                    "/v1/models under the episode's base URL", "not_found")
+                raise ApiError(404, f"no such path: {path}; expected /v1/chat/completions, /v1/completions, "
+                                    "/v1/responses or /v1/models under the episode's base URL", "not_found")
             call = route["call"]
             if method != METHODS[call]:
                 raise ApiError(405, f"{path} answers {METHODS[call]}, not {method}", "method_not_allowed")
@@ -97,6 +101,10 @@ class Endpoint:
                 parsed = json.loads(body)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
+            if call == "responses":
+                asked = responses_api.read(parsed, self.service.model)
+                response = responses_api.answer(await self.service.chat(episode, asked.chat), asked)
+                return Reply(200, response, responses_api.stream_events(response) if asked.chat.stream else None, True)
             chat = call == "chat/completions"
             req = openai_api.read(parsed, self.service.model, chat)
             answer = await (self.service.chat if chat else self.service.complete)(episode, req)

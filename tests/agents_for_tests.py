@@ -173,6 +173,65 @@ async def speaks_responses(client, sample: dict):
         "chained": chained}}
 
 
+def _claude(client):
+    """An `anthropic` client at the episode's endpoint: its base URL without /v1, its key."""
+    import anthropic
+
+    return anthropic.AsyncAnthropic(base_url=str(client.base_url).rstrip("/").removesuffix("/v1"), api_key=client.api_key,
+                                    max_retries=0)
+
+
+async def anthropic_calculator(client, sample: dict) -> dict:
+    """The openai demo's agent (nodes/demo_agents.py) written against the `anthropic` client, over HTTP at the
+    episode's base URL without its /v1: the calculator as a client tool, its answers as tool_result blocks."""
+    from nodes.algos.scorers import gsm8k_score
+    from nodes.demo_agents import CALCULATOR, calculate
+
+    function = CALCULATOR["function"]
+    tool = {"name": function["name"], "description": function["description"], "input_schema": function["parameters"]}
+    async with _claude(client) as claude:
+        messages, calls = [{"role": "user", "content": sample["prompt"]}], 0
+        for _ in range(2):
+            reply = await claude.messages.create(model=sample["model"], max_tokens=4096, messages=messages, tools=[tool],
+                                                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+            messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in reply.content]})
+            uses = [block for block in reply.content if block.type == "tool_use"]
+            if not uses:
+                break
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                          "content": calculate(json.dumps(use.input))} for use in uses]})
+            calls += len(uses)
+    answer = "".join(block.text for block in reply.content if block.type == "text")
+    return {"reward": gsm8k_score(answer, sample["ground_truth"]), "info": {"tool_calls": calls}}
+
+
+async def speaks_messages(client, sample: dict):
+    """Two turns through Anthropic's Messages API, the second streamed with the first's blocks sent back;
+    then a forced tool (400, in Anthropic's error shape)."""
+    import anthropic
+
+    async with _claude(client) as claude:
+        first = await claude.messages.create(model=sample["model"], max_tokens=4, system="be brief",
+                                             messages=[{"role": "user", "content": sample["prompt"]}])
+        history = [{"role": "user", "content": sample["prompt"]},
+                   {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+                   {"role": "user", "content": "and then?"}]
+        async with claude.messages.stream(model=sample["model"], max_tokens=4, system="be brief", messages=history) as stream:
+            streamed = "".join([text async for text in stream.text_stream])
+            final = await stream.get_final_message()
+        try:
+            await claude.messages.create(model=sample["model"], max_tokens=4, messages=history, tool_choice={"type": "any"},
+                                         tools=[{"name": "f", "input_schema": {"type": "object"}}])
+            forced = (200, "")
+        except anthropic.APIStatusError as exc:
+            forced = (exc.status_code, exc.body["error"]["type"])
+    return {"reward": 1.0, "info": {
+        "first": float(first.stop_reason in ("end_turn", "max_tokens") and first.usage.output_tokens > 0),
+        "streamed_is_the_message": float(streamed == "".join(b.text for b in final.content if b.type == "text")
+                                         and final.usage.output_tokens > 0),
+        "forced": forced[0], "forced_is_anthropic_shaped": float(forced[1] == "invalid_request_error")}}
+
+
 async def remembers_its_key(client, sample: dict):
     """Leaves its address and key where the test finds them (to call again after the rollout)."""
     await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=2)

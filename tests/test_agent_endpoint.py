@@ -139,6 +139,16 @@ def test_the_responses_api_is_served_whole_and_streamed_on_one_episode(vllm_engi
         assert episode.turns == 2 and episode.prefix_breaks == 0 and len(episode.segments) == 1
 
 
+def test_anthropics_messages_api_is_served_whole_and_streamed_on_one_episode(vllm_engine):
+    """An agent on the `anthropic` client: its turns (the second streamed, the first's blocks sent back)
+    extend one segment; a forced tool is refused (400) as Anthropic's API words its errors."""
+    finished = run(vllm_engine, samples(2), agent="agents_for_tests:speaks_messages")
+    assert [o.status for o in finished.outcomes] == ["ok"] * 2, [o.error for o in finished.outcomes]
+    for episode, outcome in zip(finished.episodes, finished.outcomes):
+        assert outcome.info == {"first": 1.0, "streamed_is_the_message": 1.0, "forced": 400, "forced_is_anthropic_shaped": 1.0}
+        assert episode.turns == 2 and episode.prefix_breaks == 0 and len(episode.segments) == 1
+
+
 def test_the_endpoint_is_gone_when_the_rollout_ends(vllm_engine, tmp_path):
     left = tmp_path / "key.json"
     finished = run(vllm_engine, samples(1, path=str(left)), agent="agents_for_tests:remembers_its_key")

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nodes.agents import openai_api, responses_api
+from nodes.agents import messages_api, openai_api, responses_api
 from nodes.agents.episode import Episode, Limits, TooLong, normalize
 from nodes.agents.openai_api import ApiError
 from nodes.chat_render import ChatRender
@@ -180,6 +180,70 @@ def test_a_turn_comes_back_as_a_response_and_as_its_events():
                                                       "length", usage, None), asked)
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert responses_api.stream_events(cut)[-1]["type"] == "response.incomplete"
+
+
+def read_messages(body: dict) -> messages_api.MessagesRequest:
+    return messages_api.read({"model": "policy", "max_tokens": 8, **body}, "policy")
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": HI, "model": "claude-x"}, 404, "model"),
+    ({"messages": HI, "max_tokens": None}, 400, "max_tokens"),
+    ({"messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    ({"messages": HI, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
+    ({"messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools.0"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "system", "content": "x"}]}, 400, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400,
+     "messages.0.content.0"),
+])
+def test_messages_requests_the_endpoint_cannot_serve_faithfully_are_refused(body, status, param):
+    with pytest.raises(ApiError) as info:
+        read_messages(body)
+    assert (info.value.status, info.value.param) == (status, param)
+    shaped = messages_api.error_body(info.value)
+    assert shaped["type"] == "error" and shaped["error"]["message"] and shaped["error"]["type"].endswith("error")
+
+
+def test_a_messages_request_is_the_chat_turn_and_its_answer_reads_back_as_the_turn():
+    asked = read_messages({
+        "system": [{"type": "text", "text": "be brief"}], "stop_sequences": ["END"], "top_k": 5, "stream": True,
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "tools": [{"name": "calc", "description": "adds", "input_schema": {"type": "object"}}],
+        "messages": [{"role": "user", "content": "Q: 1+1=? A:"},
+                     {"role": "assistant", "content": [{"type": "text", "text": "let me see"},
+                                                       {"type": "tool_use", "id": "t0", "name": "calc", "input": {"x": 1}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t0", "content": "2"},
+                                                  {"type": "text", "text": "sure?"}]}]})
+    req = asked.chat
+    assert req.messages == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "Q: 1+1=? A:"},
+        {"role": "assistant", "content": "let me see", "tool_calls": [
+            {"id": "t0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t0", "content": "2"}, {"role": "user", "content": "sure?"}]
+    assert req.tools == [{"type": "function", "function": {"name": "calc", "description": "adds", "parameters": {"type": "object"}}}]
+    assert (req.max_tokens, req.stop, req.overridden, req.stream, req.one_call_per_turn) == (8, ["END"], True, True, True)
+    message = {"role": "assistant", "content": "let me see", "tool_calls": [
+        {"id": "call-0-1-0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]}
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+    reply = messages_api.answer(openai_api.chat_answer("chatcmpl-0-1", "policy", message, "tool_calls", usage, None), asked)
+    assert reply["stop_reason"] == "tool_use" and reply["usage"] == {"input_tokens": 5, "output_tokens": 9}
+    assert reply["content"] == [{"type": "text", "text": "let me see"},
+                                {"type": "tool_use", "id": "call-0-1-0", "name": "calc", "input": {"x": 1}}]
+    echoed = read_messages({"messages": [*HI, {"role": "assistant", "content": reply["content"]}]})
+    assert normalize(echoed.chat.messages[-1]) == normalize(message)  # what the agent sends back is the turn it had
+    events = messages_api.stream_events(reply)
+    assert [e["type"] for e in events] == ["message_start", *["content_block_start", "content_block_delta",
+                                                              "content_block_stop"] * 2, "message_delta", "message_stop"]
+    assert events[5]["delta"] == {"type": "input_json_delta", "partial_json": '{"x": 1}'}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    cut = messages_api.answer(openai_api.chat_answer("chatcmpl-0-2", "policy", {"role": "assistant", "content": "ab"},
+                                                     "length", usage, None), asked)
+    assert cut["stop_reason"] == "max_tokens"
 
 
 def test_chat_render_renders_only_what_follows_a_turn(tokenizer):

@@ -103,6 +103,7 @@ def _warm_rollouts(task: Path) -> dict:
                 "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"],
                 "extra_info": r["extra_info"]} for r in rows]
     out = {"nodes.demo_agents:solve": rollout_of(engine, samples, "nodes.demo_agents:solve")}
+    out["agents_for_tests:anthropic_calculator"] = rollout_of(engine, samples, "agents_for_tests:anthropic_calculator")
     for agent in ("agents_for_tests:openai_agents_sdk", "agents_for_tests:openai_agents_sdk_responses",
                   "agents_for_tests:langgraph_react"):  # room for a tool error
         out[agent] = rollout_of(engine, samples, agent, response=256)
@@ -175,5 +176,17 @@ def test_the_agents_sdk_on_the_responses_api_trains_the_tokens_its_chat_model_do
     assert [o.status for o in responses.outcomes] == ["ok"] * 16, [o.error for o in responses.outcomes if o.error][:2]
     assert sum(e.tool_calls for e in responses.episodes) >= 4
     for got, want in zip(responses.episodes, chat.episodes):
+        assert (got.turns, got.tool_calls, got.prefix_breaks) == (want.turns, want.tool_calls, 0)
+        assert [(s.prompt_ids, s.ids, s.mask) for s in got.segments] == [(s.prompt_ids, s.ids, s.mask) for s in want.segments]
+
+
+def test_the_demo_agent_on_anthropics_messages_api_trains_the_tokens_it_does_on_openais(warm_rollouts):
+    """The openai demo's agent, written against the `anthropic` client (tools as client tools, answers as
+    tool_result blocks, over HTTP): at the same seeds, token for token, the episodes of the openai version."""
+    claude, openai = warm_rollouts["agents_for_tests:anthropic_calculator"], warm_rollouts["nodes.demo_agents:solve"]
+    assert [o.status for o in claude.outcomes] == ["ok"] * 16, [o.error for o in claude.outcomes if o.error][:2]
+    assert sum(e.tool_calls for e in claude.episodes) >= 4
+    assert [o.reward for o in claude.outcomes] == [o.reward for o in openai.outcomes]
+    for got, want in zip(claude.episodes, openai.episodes):
         assert (got.turns, got.tool_calls, got.prefix_breaks) == (want.turns, want.tool_calls, 0)
         assert [(s.prompt_ids, s.ids, s.mask) for s in got.segments] == [(s.prompt_ids, s.ids, s.mask) for s in want.segments]

@@ -84,11 +84,12 @@ def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
 
 
 def command_agent(argv: list[str], cwd: str | None) -> Agent:
-    """A program per episode: OPENAI_BASE_URL and OPENAI_API_KEY in its environment, the sample as JSON on
+    """A program per episode: OPENAI_BASE_URL and OPENAI_API_KEY (and Anthropic's two) in its environment, the sample as JSON on
     stdin; its last line on stdout is its reward (JSON). Stopped with its process group when late."""
 
     async def run(episode: Episode, sample: dict) -> Any:
-        env = {**os.environ, "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key}
+        env = {**os.environ, "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key,
+               "ANTHROPIC_BASE_URL": sample["_base_url"].removesuffix("/v1"), "ANTHROPIC_API_KEY": episode.key}
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                     stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
                                                     start_new_session=True)

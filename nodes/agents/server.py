@@ -4,6 +4,7 @@
     POST /v1/chat/completions       a turn of the episode the API key opens
     POST /v1/completions
     POST /v1/responses              a chat turn, asked and answered in the Responses API's shapes (responses_api)
+    POST /v1/messages               a chat turn in Anthropic's Messages API's shapes (messages_api)
     (the same under /episodes/<i>/v1/...: each episode's own base URL, which checks the key is its own)
 
 It is reached two ways that answer alike (`Endpoint.reply`): over HTTP (aiohttp, on an ephemeral port,
@@ -24,12 +25,13 @@ from typing import Any, Mapping
 import httpx
 from aiohttp import web
 
-from nodes.agents import openai_api, responses_api
+from nodes.agents import messages_api, openai_api, responses_api
 from nodes.agents.openai_api import ApiError
 from nodes.agents.service import Service
 
-ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?P<call>models|chat/completions|completions|responses)")
-METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST", "responses": "POST"}
+ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?P<call>models|chat/completions|completions|responses|messages)")
+METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST", "responses": "POST", "messages": "POST"}
+OTHER_APIS = {"responses": responses_api, "messages": messages_api}  # a chat turn in another API's shapes
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Reply:
     status: int
     body: dict[str, Any]
     chunks: list[dict[str, Any]] | None = None  # a streamed answer's server-sent events
-    named: bool = False  # the events are named by their type (the Responses API's stream)
+    named: bool = False  # the events are named by their type (the Responses and Messages APIs' streams)
 
     def payload(self) -> tuple[bytes, str]:
         """The reply's bytes and content type."""
@@ -83,11 +85,12 @@ class Endpoint:
 
     async def reply(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """The answer to one request, whichever way it came."""
+        call = None
         try:
             route = ROUTE.fullmatch(path)
             if route is None:
                 raise ApiError(404, f"no such path: {path}; expected /v1/chat/completions, /v1/completions, "
-                                    "/v1/responses or /v1/models under the episode's base URL", "not_found")
+                                    "/v1/responses, /v1/messages or /v1/models under the episode's base URL", "not_found")
             call = route["call"]
             if method != METHODS[call]:
                 raise ApiError(405, f"{path} answers {METHODS[call]}, not {method}", "method_not_allowed")
@@ -101,15 +104,16 @@ class Endpoint:
                 parsed = json.loads(body)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
-            if call == "responses":
-                asked = responses_api.read(parsed, self.service.model)
-                response = responses_api.answer(await self.service.chat(episode, asked.chat), asked)
-                return Reply(200, response, responses_api.stream_events(response) if asked.chat.stream else None, True)
+            if call in OTHER_APIS:
+                api = OTHER_APIS[call]
+                asked = api.read(parsed, self.service.model)
+                shaped = api.answer(await self.service.chat(episode, asked.chat), asked)
+                return Reply(200, shaped, api.stream_events(shaped) if asked.chat.stream else None, True)
             chat = call == "chat/completions"
             req = openai_api.read(parsed, self.service.model, chat)
             answer = await (self.service.chat if chat else self.service.complete)(episode, req)
         except ApiError as exc:
-            return Reply(exc.status, exc.body())
+            return Reply(exc.status, messages_api.error_body(exc) if call == "messages" else exc.body())
         return Reply(200, answer, openai_api.stream_chunks(answer, req.include_usage) if req.stream else None)
 
     async def _http(self, request: web.Request) -> web.Response:
@@ -124,7 +128,8 @@ class Endpoint:
 
     def _episode(self, headers: Mapping[str, str], index: str | None):
         header = headers.get("Authorization", "")
-        key = header[len("Bearer "):].strip() if header.startswith("Bearer ") else headers.get("api-key")
+        key = header[len("Bearer "):].strip() if header.startswith("Bearer ") else headers.get("api-key") or \
+            headers.get("x-api-key")  # Anthropic's clients
         return self.service.authorize(key, index)
 
 

@@ -298,7 +298,9 @@ async def langgraph_react(client, sample: dict):
         """Evaluate an arithmetic expression, e.g. 123+456*2."""
         return _calculate(expression)
 
-    model = ChatOpenAI(model=sample["model"], base_url=str(client.base_url), api_key=client.api_key, max_retries=0)
+    # the client handed to the agent (answered in-process): LangChain's own would go over HTTP
+    model = ChatOpenAI(model=sample["model"], api_key=client.api_key, root_async_client=client,
+                       async_client=client.chat.completions, max_retries=0)
     graph = create_react_agent(model.bind_tools([calculator], parallel_tool_calls=False), [calculator])
     state = await graph.ainvoke({"messages": [("user", sample["prompt"])]}, {"recursion_limit": 6})
     return float(f"#### {sample['ground_truth']}" in str(state["messages"][-1].content))

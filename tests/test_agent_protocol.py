@@ -116,7 +116,7 @@ def read_responses(body: dict) -> responses_api.ResponsesRequest:
     ({"input": []}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content"),
     ({"input": [{"role": "wizard", "content": "x"}]}, 400, "input.0"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, 400, "input.0"),
     ({"input": [{"type": "function_call", "name": "calc"}]}, 400, "input.0"),
 ])
 def test_responses_requests_the_endpoint_cannot_serve_faithfully_are_refused(body, status, param):
@@ -153,6 +153,8 @@ def test_a_responses_request_is_the_chat_turn_the_chat_api_would_ask():
     assert (req.max_tokens, req.logprobs, req.top_logprobs, req.overridden, req.stream) == (7, True, 2, True, True)
     assert req.parse_tool_calls and req.one_call_per_turn
     assert read_responses({"input": "hi"}).chat.messages == [{"role": "user", "content": "hi"}]
+    reasoned = read_responses({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "hi"}]})
+    assert reasoned.chat.messages == [{"role": "user", "content": "hi"}]  # another model's reasoning: not rendered
 
 
 def test_a_turn_comes_back_as_a_response_and_as_its_events():

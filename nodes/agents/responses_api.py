@@ -100,6 +100,8 @@ def _messages(items: Any) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # another model's reasoning (this endpoint sends none): nothing of this model's to render
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(400, f"input[{i}]: {ITEM_SHAPE}", param=f"input.{i}")

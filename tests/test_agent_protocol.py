@@ -15,6 +15,7 @@ import torch
 from nodes.agents import messages_api, openai_api, responses_api
 from nodes.agents.episode import Episode, Limits, TooLong, normalize
 from nodes.agents.openai_api import ApiError
+from nodes.agents.server import Reply
 from nodes.chat_render import ChatRender
 from siirl_dag.strategies.megatron import batching
 
@@ -177,7 +178,7 @@ def test_a_turn_comes_back_as_a_response_and_as_its_events():
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed" and events[-1]["response"] == response
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert [e["delta"] for e in events if e["type"].endswith(".delta")] == ["let me see", '{"x": 1}']
-    assert responses_api.payload(events[:1]).startswith(b"event: response.created\ndata: {")
+    assert Reply(200, response, events, named=True).payload()[0].startswith(b"event: response.created\ndata: {")
     cut = responses_api.answer(openai_api.chat_answer("chatcmpl-0-2", "policy", {"role": "assistant", "content": "ab"},
                                                       "length", usage, None), asked)
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -14,7 +14,6 @@ built-in tools (web search, files, computer use) and structured outputs; the who
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,8 +192,3 @@ def stream_events(response: dict) -> list[dict]:
         event("response.output_item.done", output_index=index, item=item)
     event(f"response.{response['status']}", response=response)
     return events
-
-
-def payload(events: list[dict]) -> bytes:
-    """Server-sent events, each named by its type (the Responses stream ends with its last event, no [DONE])."""
-    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()

@@ -45,8 +45,9 @@ class Reply:
         """The reply's bytes and content type."""
         if self.chunks is None:
             return json.dumps(self.body).encode(), "application/json"
-        if self.named:
-            return responses_api.payload(self.chunks), "text/event-stream"
+        if self.named:  # each event named by its type; these streams end with their last event, no [DONE]
+            events = "".join(f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n" for chunk in self.chunks)
+            return events.encode(), "text/event-stream"
         events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in self.chunks)
         return (events + "data: [DONE]\n\n").encode(), "text/event-stream"
 

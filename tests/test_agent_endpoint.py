@@ -178,10 +178,15 @@ def test_an_agent_program_gets_the_endpoint_and_the_sample(vllm_engine, tmp_path
         "client = OpenAI(base_url=os.environ['OPENAI_BASE_URL'], api_key=os.environ['OPENAI_API_KEY'])\n"
         "reply = client.chat.completions.create(model=sample['model'], messages=sample['messages'], max_tokens=3)\n"
         "if sample['extra_info']['seed'] == 1: sys.exit('no luck')\n"
+        "from anthropic import Anthropic\n"  # the same episode, on to its second turn through Anthropic's API
+        "claude = Anthropic(base_url=os.environ['ANTHROPIC_BASE_URL'], api_key=os.environ['ANTHROPIC_API_KEY'])\n"
+        "claude.messages.create(model=sample['model'], max_tokens=3, messages=[*sample['messages'], {'role': 'assistant', "
+        "'content': reply.choices[0].message.content}, {'role': 'user', 'content': 'more'}])\n"
         "print('a log line'); print(json.dumps({'reward': len(reply.choices[0].message.content) / 10}))\n")
     finished = run(vllm_engine, samples(2), agent_command=[sys.executable, str(program)])
     (ok, failed) = finished.outcomes
-    assert ok.status == "ok" and ok.reward is not None and finished.episodes[0].turns == 1
+    assert ok.status == "ok" and ok.reward is not None, ok.error
+    assert finished.episodes[0].turns == 2 and len(finished.episodes[0].segments) == 1
     assert failed.status == "failed" and "exited with status 1" in failed.error and "no luck" in failed.error
 
 

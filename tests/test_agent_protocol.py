@@ -200,6 +200,7 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools.0"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, 400, "messages.0"),
+    ({"messages": [*HI, {"role": "assistant", "content": "The answer is"}]}, 400, "messages.1"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400,
      "messages.0.content.0"),
@@ -237,8 +238,8 @@ def test_a_messages_request_is_the_chat_turn_and_its_answer_reads_back_as_the_tu
     assert reply["stop_reason"] == "tool_use" and reply["usage"] == {"input_tokens": 5, "output_tokens": 9}
     assert reply["content"] == [{"type": "text", "text": "let me see"},
                                 {"type": "tool_use", "id": "call-0-1-0", "name": "calc", "input": {"x": 1}}]
-    echoed = read_messages({"messages": [*HI, {"role": "assistant", "content": reply["content"]}]})
-    assert normalize(echoed.chat.messages[-1]) == normalize(message)  # what the agent sends back is the turn it had
+    echoed = read_messages({"messages": [*HI, {"role": "assistant", "content": reply["content"]}, *HI]})
+    assert normalize(echoed.chat.messages[-2]) == normalize(message)  # what the agent sends back is the turn it had
     events = messages_api.stream_events(reply)
     assert [e["type"] for e in events] == ["message_start", *["content_block_start", "content_block_delta",
                                                               "content_block_stop"] * 2, "message_delta", "message_stop"]

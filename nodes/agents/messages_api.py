@@ -7,8 +7,8 @@ A request is read into the chat request it amounts to (`openai_api.read` then ch
 its tool calls; a user message's `tool_result` blocks tool messages, before its text. The turn is the same
 token-faithful chat turn (service.Service.chat); its answer is shaped back into a message (text and
 `tool_use` blocks, `stop_reason` end_turn, tool_use or max_tokens) or its stream of events. Refused with
-400: image and document blocks, extended thinking, a forced tool (`tool_choice` any or tool); errors come
-in Anthropic's shape.
+400: image and document blocks, extended thinking, a forced tool (`tool_choice` any or tool), an assistant
+message last (a prefill: each call is a new turn); errors come in Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ def _messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "expected messages: a non-empty list of {'role': 'user' or 'assistant', 'content': ...}",
                        param="messages")
+    if isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        raise ApiError(400, f"messages[{len(messages) - 1}]: a conversation that ends with the assistant's message "
+                            "(a prefill to continue) is not served: each call is a new turn; expected a user message last",
+                       param=f"messages.{len(messages) - 1}")
     out: list[dict] = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None

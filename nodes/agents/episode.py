@@ -155,14 +155,15 @@ def normalize(message: dict) -> tuple:
     return message.get("role"), content_text(message.get("content")), calls
 
 
-def content_text(content: Any) -> str:
-    """A message's content as text: a string, None, or a list of text parts (ValueError for others)."""
+def content_text(content: Any, parts: tuple[str, ...] = ("text",)) -> str:
+    """A message's content as text: a string, None, or a list of text parts, of the types `parts` (the
+    APIs name them differently); ValueError for others."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in parts and isinstance(p.get("text"), str)
                                          for p in content):
         return "".join(p["text"] for p in content)
-    raise ValueError("expected a message's content as a string or a list of text parts ({'type': 'text', 'text': ...}); "
+    raise ValueError(f"expected a string or a list of text parts ({{'type': '{parts[0]}', 'text': ...}}); "
                      "this endpoint serves text only")
 
 

@@ -36,8 +36,8 @@ def read(body: Any, served: str) -> MessagesRequest:
     """A /v1/messages request to the model `served`, checked and read as a chat request."""
     if not isinstance(body, dict):
         raise ApiError(400, "expected a JSON object as the request body")
-    limit = body.get("max_tokens")
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+    limit = openai_api.positive(body, "max_tokens")
+    if limit is None:
         raise ApiError(400, "expected max_tokens: a positive integer (the Messages API requires it)", param="max_tokens")
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
@@ -48,7 +48,8 @@ def read(body: Any, served: str) -> MessagesRequest:
         raise ApiError(400, f"tool_choice {json.dumps(choice)[:80]} is not served: forcing a call changes what is sampled; "
                             "expected {'type': 'auto'} or {'type': 'none'}", param="tool_choice")
     system = body.get("system")
-    messages = ([{"role": "system", "content": _text(system, "system")}] if system else []) + _messages(body.get("messages"))
+    messages = ([{"role": "system", "content": openai_api.text_of(system, "system")}] if system else []) + \
+        _messages(body.get("messages"))
     chat = {key: body[key] for key in ("model", "stream", "temperature", "top_p", "top_k") if key in body}
     chat.update(messages=messages, max_tokens=limit, stop=body.get("stop_sequences"), tool_choice=choice["type"],
                 parallel_tool_calls=not choice.get("disable_parallel_tool_use", False))
@@ -85,7 +86,8 @@ def _messages(messages: Any) -> list[dict]:
                 calls.append({"id": block["id"], "type": "function",
                               "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
             elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
-                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _text(block.get("content"), at)})
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": openai_api.text_of(block.get("content"), at)})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # an earlier turn's thinking, which this endpoint never sends: nothing of the model's
             else:
@@ -96,16 +98,6 @@ def _messages(messages: Any) -> list[dict]:
         elif text or not any(b.get("type") == "tool_result" for b in blocks):
             out.append({"role": "user", "content": "".join(text)})
     return out
-
-
-def _text(content: Any, param: str) -> str:
-    """A system prompt or a tool result as text: a string or a list of text blocks."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-                                         for b in content):
-        return "".join(b["text"] for b in content)
-    raise ApiError(400, f"{param}: expected a string or a list of text blocks; this endpoint serves text only", param=param)
 
 
 def _tools(tools: Any) -> list[dict]:

@@ -75,7 +75,7 @@ def read(body: Any, served: str, chat: bool) -> Request:
             raise ApiError(400, f"{key} is not served: constrained decoding changes what is sampled, and the "
                                 "trainer would score the unconstrained distribution", param=key)
     req = Request(overridden=any(body.get(k) is not None for k in OVERRIDDEN))
-    req.max_tokens = _positive(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    req.max_tokens = positive(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
     req.stop = _stop(body.get("stop"))
     req.stream = _flag(body, "stream")
     req.include_usage = bool(isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"))
@@ -150,11 +150,20 @@ def _completion_fields(body: dict, req: Request) -> None:
     req.top_logprobs = _top(0 if logprobs is True else logprobs, req.logprobs)
 
 
-def _positive(body: dict, key: str) -> int | None:
+def positive(body: dict, key: str) -> int | None:
+    """`body[key]`: absent, or a positive integer (400 for anything else)."""
     value = body.get(key)
     if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         raise ApiError(400, f"expected {key}: a positive integer", param=key)
     return value
+
+
+def text_of(content: Any, param: str, parts: tuple[str, ...] = ("text",)) -> str:
+    """Content (a string or text parts of the types `parts`) as text; 400 naming `param` for anything else."""
+    try:
+        return content_text(content, parts)
+    except ValueError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param) from None
 
 
 def _flag(body: dict, key: str) -> bool:

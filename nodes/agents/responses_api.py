@@ -23,7 +23,7 @@ from nodes.agents.openai_api import ApiError, Request
 LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for log-probs
 STATELESS = {"previous_response_id": "a previous response", "conversation": "a conversation",
              "prompt": "a stored prompt"}
-TEXT_PARTS = ("input_text", "output_text", "text")
+TEXT_PARTS = ("input_text", "output_text", "text")  # the content parts read as text
 ITEM_SHAPE = ("expected input items: {'role': ..., 'content': ...} messages, {'type': 'function_call', 'call_id': ..., "
               "'name': ..., 'arguments': '...'} or {'type': 'function_call_output', 'call_id': ..., 'output': ...}")
 
@@ -56,9 +56,7 @@ def read(body: Any, served: str) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "expected instructions: a string", param="instructions")
-    limit = body.get("max_output_tokens")
-    if limit is not None and not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
-        raise ApiError(400, "expected max_output_tokens: a positive integer", param="max_output_tokens")
+    limit = openai_api.positive(body, "max_output_tokens")
     include = body.get("include") or []
     if not (isinstance(include, list) and all(isinstance(i, str) for i in include)):
         raise ApiError(400, "expected include: a list of strings", param="include")
@@ -88,7 +86,8 @@ def _messages(items: Any) -> list[dict]:
             if item.get("role") not in openai_api.ROLES:
                 raise ApiError(400, f"input[{i}]: expected a message's role, one of {', '.join(openai_api.ROLES)}",
                                param=f"input.{i}")
-            messages.append({"role": item["role"], "content": _text(item.get("content"), f"input.{i}.content")})
+            messages.append({"role": item["role"],
+                             "content": openai_api.text_of(item.get("content"), f"input.{i}.content", TEXT_PARTS)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise ApiError(400, f"input[{i}]: {ITEM_SHAPE}", param=f"input.{i}")
@@ -105,21 +104,10 @@ def _messages(items: Any) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(400, f"input[{i}]: {ITEM_SHAPE}", param=f"input.{i}")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item.get("output"), f"input.{i}.output")})
+                             "content": openai_api.text_of(item.get("output"), f"input.{i}.output", TEXT_PARTS)})
         else:
             raise ApiError(400, f"input[{i}]: items of type {kind!r} are not served; {ITEM_SHAPE}", param=f"input.{i}")
     return messages
-
-
-def _text(content: Any, param: str) -> str:
-    """A message's content, or a call's output, as text: a string or a list of text parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
-                                         for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"{param}: expected a string or a list of text parts ({{'type': 'input_text', 'text': ...}}); "
-                        "this endpoint serves text only", param=param)
 
 
 def _tools(tools: Any) -> list[dict]:

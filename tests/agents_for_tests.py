@@ -142,7 +142,8 @@ async def probes_the_endpoint(client, sample: dict):
             codes[name] = 200
         except openai.APIStatusError as exc:
             codes[name] = exc.status_code
-    served = sample["model"] in error["message"] and models["data"][0]["id"] == sample["model"]
+    retrieved = await client.models.retrieve(sample["model"])
+    served = sample["model"] in error["message"] and models["data"][0]["id"] == sample["model"] == retrieved.id
     return {"reward": 1.0, "info": {**codes, "names_the_model": float(served)}}
 
 
@@ -207,7 +208,7 @@ async def anthropic_calculator(client, sample: dict) -> dict:
 
 async def speaks_messages(client, sample: dict):
     """Two turns through Anthropic's Messages API, the second streamed with the first's blocks sent back;
-    then a forced tool (400, in Anthropic's error shape)."""
+    then a forced tool (400, in Anthropic's error shape); the first call's messages counted; the models."""
     import anthropic
 
     async with _claude(client) as claude:
@@ -225,7 +226,19 @@ async def speaks_messages(client, sample: dict):
             forced = (200, "")
         except anthropic.APIStatusError as exc:
             forced = (exc.status_code, exc.body["error"]["type"])
+        counted = await claude.messages.count_tokens(model=sample["model"], system="be brief",
+                                                     messages=[{"role": "user", "content": sample["prompt"]}])
+        listed = [model.id async for model in claude.models.list()]
+        retrieved = await claude.models.retrieve(sample["model"])
+        try:
+            await claude.models.retrieve("another")
+            unknown = 200
+        except anthropic.NotFoundError as exc:
+            unknown = exc.status_code if exc.body["error"]["type"] == "not_found_error" else 0
     return {"reward": 1.0, "info": {
+        "counted_as_prompted": float(counted.input_tokens == first.usage.input_tokens),
+        "models": float(listed == [sample["model"]] and retrieved.id == sample["model"] and retrieved.type == "model"),
+        "unknown_model": unknown,
         "first": float(first.stop_reason in ("end_turn", "max_tokens") and first.usage.output_tokens > 0),
         "streamed_is_the_message": float(streamed == "".join(b.text for b in final.content if b.type == "text")
                                          and final.usage.output_tokens > 0),

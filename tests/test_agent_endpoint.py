@@ -141,11 +141,13 @@ def test_the_responses_api_is_served_whole_and_streamed_on_one_episode(vllm_engi
 
 def test_anthropics_messages_api_is_served_whole_and_streamed_on_one_episode(vllm_engine):
     """An agent on the `anthropic` client: its turns (the second streamed, the first's blocks sent back)
-    extend one segment; a forced tool is refused (400) as Anthropic's API words its errors."""
+    extend one segment; a forced tool is refused (400) as Anthropic's API words its errors; count_tokens
+    counts the tokens the first call was prompted with; the models come in Anthropic's shapes."""
     finished = run(vllm_engine, samples(2), agent="agents_for_tests:speaks_messages")
     assert [o.status for o in finished.outcomes] == ["ok"] * 2, [o.error for o in finished.outcomes]
     for episode, outcome in zip(finished.episodes, finished.outcomes):
-        assert outcome.info == {"first": 1.0, "streamed_is_the_message": 1.0, "forced": 400, "forced_is_anthropic_shaped": 1.0}
+        assert outcome.info == {"first": 1.0, "streamed_is_the_message": 1.0, "forced": 400, "forced_is_anthropic_shaped": 1.0,
+                                "counted_as_prompted": 1.0, "models": 1.0, "unknown_model": 404}
         assert episode.turns == 2 and episode.prefix_breaks == 0 and len(episode.segments) == 1
 
 

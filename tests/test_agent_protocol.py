@@ -213,6 +213,14 @@ def test_messages_requests_the_endpoint_cannot_serve_faithfully_are_refused(body
     assert shaped["type"] == "error" and shaped["error"]["message"] and shaped["error"]["type"].endswith("error")
 
 
+def test_count_tokens_reads_a_messages_body_without_its_max_tokens_and_refuses_what_a_turn_refuses():
+    counted = messages_api.read({"model": "policy", "messages": HI, "system": "be brief"}, "policy", counting=True)
+    assert counted.chat.messages == [{"role": "system", "content": "be brief"}, *HI] and counted.chat.max_tokens is None
+    with pytest.raises(ApiError) as info:
+        messages_api.read({"model": "policy", "messages": HI, "tool_choice": {"type": "any"}}, "policy", counting=True)
+    assert info.value.param == "tool_choice"
+
+
 def test_a_messages_request_is_the_chat_turn_and_its_answer_reads_back_as_the_turn():
     asked = read_messages({
         "system": [{"type": "text", "text": "be brief"}], "stop_sequences": ["END"], "top_k": 5, "stream": True,

@@ -6,7 +6,9 @@ A request is read into the chat request it amounts to (`openai_api.read` then ch
 /v1/chat/completions call): `system` becomes the system message; an assistant message's `tool_use` blocks
 its tool calls; a user message's `tool_result` blocks tool messages, before its text. The turn is the same
 token-faithful chat turn (service.Service.chat); its answer is shaped back into a message (text and
-`tool_use` blocks, `stop_reason` end_turn, tool_use or max_tokens) or its stream of events. Refused with
+`tool_use` blocks, `stop_reason` end_turn, tool_use or max_tokens) or its stream of events.
+`/v1/messages/count_tokens` reads the same body and counts the prompt it renders, as a conversation's
+first call would be prompted; `/v1/models` answers in Anthropic's shapes. Refused with
 400: image and document blocks, extended thinking, a forced tool (`tool_choice` any or tool), an assistant
 message last (a prefill: each call is a new turn); errors come in Anthropic's shape.
 """
@@ -32,12 +34,13 @@ class MessagesRequest:
     chat: Request  # the chat turn it amounts to
 
 
-def read(body: Any, served: str) -> MessagesRequest:
-    """A /v1/messages request to the model `served`, checked and read as a chat request."""
+def read(body: Any, served: str, counting: bool = False) -> MessagesRequest:
+    """A /v1/messages request to the model `served`, checked and read as a chat request; `counting`: a
+    /v1/messages/count_tokens request (the same body, max_tokens left out)."""
     if not isinstance(body, dict):
         raise ApiError(400, "expected a JSON object as the request body")
     limit = openai_api.positive(body, "max_tokens")
-    if limit is None:
+    if limit is None and not counting:
         raise ApiError(400, "expected max_tokens: a positive integer (the Messages API requires it)", param="max_tokens")
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
@@ -146,6 +149,14 @@ def stream_events(message: dict) -> list[dict]:
     return events + [{"type": "message_delta", "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
                       "usage": {"output_tokens": message["usage"]["output_tokens"]}},
                      {"type": "message_stop"}]
+
+
+def models(served: str, asked: str | None) -> dict:
+    """GET /v1/models (`asked` None) or /v1/models/{asked} in Anthropic's shapes: the one served model."""
+    model = {"type": "model", "id": served, "display_name": served, "created_at": "1970-01-01T00:00:00Z"}
+    if asked is None:
+        return {"data": [model], "has_more": False, "first_id": served, "last_id": served}
+    return model
 
 
 def error_body(exc: ApiError) -> dict:

@@ -194,6 +194,12 @@ def _short(value: Any) -> str:
 
 
 # -- answers ----------------------------------------------------------------------------------------
+def models(served: str, asked: str | None) -> dict:
+    """GET /v1/models (`asked` None) or /v1/models/{asked}: the one served model."""
+    model = {"id": served, "object": "model", "created": 0, "owned_by": "siirl_dag"}
+    return {"object": "list", "data": [model]} if asked is None else model
+
+
 def turn_text(req: Request, text: str, finish_reason: str) -> str:
     """The text a turn gets back: a stop string of the request's own cut off, as OpenAI does."""
     if finish_reason == "stop":

@@ -1,10 +1,11 @@
 """The OpenAI-compatible endpoint of one rollout, on the agents' event loop.
 
-    GET  /v1/models                 the served model
+    GET  /v1/models, /v1/models/ID  the served model (in Anthropic's shapes when asked with `anthropic-version`)
     POST /v1/chat/completions       a turn of the episode the API key opens
     POST /v1/completions
     POST /v1/responses              a chat turn, asked and answered in the Responses API's shapes (responses_api)
     POST /v1/messages               a chat turn in Anthropic's Messages API's shapes (messages_api)
+    POST /v1/messages/count_tokens  the tokens such a call's messages would take as a prompt
     (the same under /episodes/<i>/v1/...: each episode's own base URL, which checks the key is its own)
 
 It is reached two ways that answer alike (`Endpoint.reply`): over HTTP (aiohttp, on an ephemeral port,
@@ -21,6 +22,7 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
+from urllib.parse import unquote
 
 import httpx
 from aiohttp import web
@@ -29,8 +31,10 @@ from nodes.agents import messages_api, openai_api, responses_api
 from nodes.agents.openai_api import ApiError
 from nodes.agents.service import Service
 
-ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?P<call>models|chat/completions|completions|responses|messages)")
-METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST", "responses": "POST", "messages": "POST"}
+ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?:models/(?P<model>.+)|"
+                   r"(?P<call>models|chat/completions|completions|responses|messages|messages/count_tokens))")
+METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST", "responses": "POST", "messages": "POST",
+           "messages/count_tokens": "POST"}
 OTHER_APIS = {"responses": responses_api, "messages": messages_api}  # a chat turn in another API's shapes
 
 
@@ -86,25 +90,27 @@ class Endpoint:
 
     async def reply(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """The answer to one request, whichever way it came."""
-        call = None
+        route = ROUTE.fullmatch(path)
+        call = None if route is None else "models" if route["model"] is not None else route["call"]
+        anthropic = call in ("messages", "messages/count_tokens") or "anthropic-version" in headers
         try:
-            route = ROUTE.fullmatch(path)
             if route is None:
                 raise ApiError(404, f"no such path: {path}; expected /v1/chat/completions, /v1/completions, "
                                     "/v1/responses, /v1/messages or /v1/models under the episode's base URL", "not_found")
-            call = route["call"]
             if method != METHODS[call]:
                 raise ApiError(405, f"{path} answers {METHODS[call]}, not {method}", "method_not_allowed")
             episode = self._episode(headers, route["episode"])
             if call == "models":
-                return Reply(200, {"object": "list", "data": [
-                    {"id": self.service.model, "object": "model", "created": 0, "owned_by": "siirl_dag"}]})
+                return Reply(200, self._models(route["model"], anthropic))
             if len(body) > self.max_bytes:
                 raise _too_large(len(body), self.max_bytes)
             try:
                 parsed = json.loads(body)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
+            if call == "messages/count_tokens":
+                asked = messages_api.read(parsed, self.service.model, counting=True)
+                return Reply(200, {"input_tokens": self.service.count(asked.chat)})
             if call in OTHER_APIS:
                 api = OTHER_APIS[call]
                 asked = api.read(parsed, self.service.model)
@@ -114,8 +120,15 @@ class Endpoint:
             req = openai_api.read(parsed, self.service.model, chat)
             answer = await (self.service.chat if chat else self.service.complete)(episode, req)
         except ApiError as exc:
-            return Reply(exc.status, messages_api.error_body(exc) if call == "messages" else exc.body())
+            return Reply(exc.status, messages_api.error_body(exc) if anthropic else exc.body())
         return Reply(200, answer, openai_api.stream_chunks(answer, req.include_usage) if req.stream else None)
+
+    def _models(self, asked: str | None, anthropic: bool) -> dict:
+        served = self.service.model
+        if asked is not None and unquote(asked) != served:
+            raise ApiError(404, f"the model '{unquote(asked)}' does not exist here; this endpoint serves '{served}'",
+                           "model_not_found")
+        return (messages_api if anthropic else openai_api).models(served, asked and served)
 
     async def _http(self, request: web.Request) -> web.Response:
         try:

@@ -88,6 +88,11 @@ class Service:
             episode.sampling_overridden += req.overridden
             return call.answer
 
+    def count(self, req: Request) -> int:
+        """The tokens `req.messages` take as a prompt (Anthropic's count_tokens): rendered whole, as a
+        conversation's first call is; no episode is changed."""
+        return len(self._plan(lambda: self.render.prompt(req.messages, req.tools, **req.template_kwargs), "messages"))
+
     def _plan(self, plan, param: str):
         try:
             return plan()

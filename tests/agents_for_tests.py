@@ -277,8 +277,9 @@ def _calculate(expression: str) -> str:
         return f"error: {exc}"
 
 
-async def openai_agents_sdk(client, sample: dict, responses_api: bool = False):
-    """The calculator agent as the OpenAI Agents SDK writes it, on its chat completions model."""
+async def openai_agents_sdk(client, sample: dict, responses_api: bool = False, streamed: bool = False):
+    """The calculator agent as the OpenAI Agents SDK writes it, on its chat completions model (or its
+    Responses model; `streamed`: run with `Runner.run_streamed`, every event read)."""
     from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
                         set_tracing_disabled)
 
@@ -291,13 +292,24 @@ async def openai_agents_sdk(client, sample: dict, responses_api: bool = False):
 
     model = (OpenAIResponsesModel if responses_api else OpenAIChatCompletionsModel)(model=sample["model"], openai_client=client)
     agent = Agent(name="solver", tools=[calculator], model=model, model_settings=ModelSettings(parallel_tool_calls=False))
-    result = await Runner.run(agent, sample["prompt"], max_turns=3)
+    if streamed:
+        result = Runner.run_streamed(agent, sample["prompt"], max_turns=3)
+        deltas = [event async for event in result.stream_events() if event.type == "raw_response_event"]
+        if not deltas:
+            raise AssertionError("the streamed run gave no model events")
+    else:
+        result = await Runner.run(agent, sample["prompt"], max_turns=3)
     return float(f"#### {sample['ground_truth']}" in str(result.final_output))
 
 
 async def openai_agents_sdk_responses(client, sample: dict):
     """The same agent on the Agents SDK's default model, which calls the Responses API (/v1/responses)."""
     return await openai_agents_sdk(client, sample, responses_api=True)
+
+
+async def openai_agents_sdk_streamed(client, sample: dict):
+    """The same agent on the Responses API, run as a UI runs it: `Runner.run_streamed`, events read as they come."""
+    return await openai_agents_sdk(client, sample, responses_api=True, streamed=True)
 
 
 async def langgraph_react(client, sample: dict):

@@ -105,7 +105,7 @@ def _warm_rollouts(task: Path) -> dict:
     out = {"nodes.demo_agents:solve": rollout_of(engine, samples, "nodes.demo_agents:solve")}
     out["agents_for_tests:anthropic_calculator"] = rollout_of(engine, samples, "agents_for_tests:anthropic_calculator")
     for agent in ("agents_for_tests:openai_agents_sdk", "agents_for_tests:openai_agents_sdk_responses",
-                  "agents_for_tests:langgraph_react"):  # room for a tool error
+                  "agents_for_tests:openai_agents_sdk_streamed", "agents_for_tests:langgraph_react"):  # room for a tool error
         out[agent] = rollout_of(engine, samples, agent, response=256)
     prompts = [prompt_token_ids(engine.tokenizer, s["prompt"], True, [CALCULATOR]) for s in samples]
     out["own"] = [(t.prompt_ids, t.ids, t.mask, t.logprobs, t.tool_calls) for t in agent_loop.run(
@@ -168,11 +168,13 @@ def test_agents_written_with_frameworks_train_through_the_endpoint(warm_rollouts
     assert called and all(e.turns == 2 and e.prefix_breaks == 0 and len(e.segments) == 1 for e in called)
 
 
-def test_the_agents_sdk_on_the_responses_api_trains_the_tokens_its_chat_model_does(warm_rollouts):
-    """The Agents SDK's default model calls /v1/responses; at the same seeds its episodes are, token for
-    token, those of the same agent on the chat completions model: one API's items and flat tools render the
-    prompt the other's messages do, and what the agent sends back extends its episode without a break."""
-    chat, responses = (warm_rollouts[f"agents_for_tests:{agent}"] for agent in ("openai_agents_sdk", "openai_agents_sdk_responses"))
+@pytest.mark.parametrize("run", ["openai_agents_sdk_responses", "openai_agents_sdk_streamed"])
+def test_the_agents_sdk_on_the_responses_api_trains_the_tokens_its_chat_model_does(warm_rollouts, run):
+    """The Agents SDK's default model calls /v1/responses, run whole or streamed (`Runner.run_streamed`); at
+    the same seeds its episodes are, token for token, those of the same agent on the chat completions model:
+    one API's items and flat tools render the prompt the other's messages do, and what the agent sends back
+    extends its episode without a break."""
+    chat, responses = (warm_rollouts[f"agents_for_tests:{agent}"] for agent in ("openai_agents_sdk", run))
     assert [o.status for o in responses.outcomes] == ["ok"] * 16, [o.error for o in responses.outcomes if o.error][:2]
     assert sum(e.tool_calls for e in responses.episodes) >= 4
     for got, want in zip(responses.episodes, chat.episodes):

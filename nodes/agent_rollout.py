@@ -49,7 +49,13 @@ def _describe(params) -> str:
     what = {"agent": f"agent {params.get('agent')}, through an OpenAI-compatible endpoint",
             "agent_command": f"agent program {' '.join(params.get('agent_command') or [])}, through an OpenAI-compatible endpoint",
             "env": f"environment {params.get('env')}, in the engine's loop"}[mode]
-    processes = f" in {params['agent_processes']} processes" if params["agent_processes"] > 1 else ""
+    count = params["agent_processes"]
+    if count == "auto":
+        from nodes.agents.rollout import AUTO_PROCESSES
+
+        processes = f" in {AUTO_PROCESSES['cpu']} process on a CPU engine, {AUTO_PROCESSES['cuda']} on a GPU's"
+    else:
+        processes = f" in {count} processes" if count > 1 else ""
     return (f"{what}; {params['concurrency']} episodes at once{processes}, up to {params['max_turns']} turns, "
             f"{params['timeout_s']:g} s each")
 

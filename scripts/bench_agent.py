@@ -20,7 +20,7 @@ at concurrency 64: their overlap (the sum of their durations over the rollout's 
 is serialized).
 
     python scripts/bench_agent.py [--json] [--seeds 1 2 3] [--graphs tools openai] [key=value ...]
-    python scripts/bench_agent.py --overhead [--json] [--rounds 5] [--model DIR] [--threads 1] [--agent-processes 1]
+    python scripts/bench_agent.py --overhead [--json] [--rounds 5] [--model DIR] [--threads 1] [--agent-processes auto]
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "data/agent"), help="--overhead: a make_agent_task.py folder")
     ap.add_argument("--threads", type=int, default=1,
                     help="--overhead: the engine's CPU threads (the demo's rollout rank has runtime.cpus_per_rank: 1)")
-    ap.add_argument("--agent-processes", type=int, default=1,
-                    help="--overhead: the agents' processes of the endpoint's rollouts (params.agent_processes)")
+    ap.add_argument("--agent-processes", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="--overhead: the agents' processes of the endpoint's rollouts (params.agent_processes; "
+                         "auto, its default: 1 with the engine on the CPU, 4 with it on a GPU)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the graphs (trainer.total_steps=30, ...)")
     args = ap.parse_args()
     with json_stdout(args.json) as emit:

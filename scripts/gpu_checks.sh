@@ -7,8 +7,8 @@
 #   2. vLLM's generation throughput at Qwen3-8B's shape (dummy weights): the strategy vs LLM.generate
 #   3. the weight sync into a real vLLM engine (ms per GB), beside the trainer's handoff alone
 #   4. tests/test_cuda.py, its vLLM tests first; 5. the actor's MFU on one GPU's share of the 8B graph
-#   6. the agent endpoint's overhead with the engine's compute on the device, its agents in one process and in
-#      four (data/agent carried: make agents)
+#   6. the agent endpoint's overhead with the engine's compute on the device, its agents in the processes
+#      of agent_processes: auto (4 on a GPU) and in one (data/agent carried: make agents)
 # OUT_DIR gets summary.txt (a line per step and the figures) and logs.tgz (every step's output),
 # both rewritten after each step: the device tool brings back few files.
 # With GPU_PARTS (scripts/gpu_wheels.sh), the PARTS parts there are unpacked into /tmp/site first.
@@ -102,8 +102,8 @@ if [ -f data/agent/model/config.json ]; then
     step agents 200 $py scripts/bench_agent.py --overhead --rounds 9 --json
     tail -n 1 "$logs/agents.out" | tee -a "$summary"
     # the first calls of 128 episodes leave one process one after another: in four, the ramp is a quarter
-    step agents4 200 $py scripts/bench_agent.py --overhead --rounds 9 --agent-processes 4 --json
-    tail -n 1 "$logs/agents4.out" | tee -a "$summary"
+    step agents1 200 $py scripts/bench_agent.py --overhead --rounds 9 --agent-processes 1 --json
+    tail -n 1 "$logs/agents1.out" | tee -a "$summary"
 elif [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" agents "* ]]; then
     note "agents: skipped (no data/agent: make agents here, and carry it)"
 fi

@@ -365,6 +365,22 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
                                        "+nodes.agent.params.env=agents_for_tests:CountingEnv"])
     assert env.nodes["agent"].params["env"] == "agents_for_tests:CountingEnv"
     assert {"agent_reward", "episode"} <= set(env.produces("agent")) and "agent_reward" in env.reads["reward"]
+    assert "expected one of: 'auto'" in door_problems(tiny_model_dir, "+nodes.agent.params.agent_processes=many")[
+        params + ".agent_processes"]
+    assert "expected a value >= 1" in door_problems(tiny_model_dir, "+nodes.agent.params.agent_processes=0")[
+        params + ".agent_processes"]
+
+
+def test_agent_processes_auto_is_one_beside_a_cpu_engine_and_four_beside_a_gpus(tiny_model_dir):
+    from nodes.agents.rollout import agent_processes
+    from siirl_dag.config import load_pipeline
+
+    pipeline = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}"])
+    asked = pipeline.nodes["agent"].params["agent_processes"]
+    assert asked == "auto" and (agent_processes(asked, "cpu"), agent_processes(asked, "cuda")) == (1, 4)
+    assert "in 1 process on a CPU engine, 4 on a GPU's" in pipeline.kinds["agent"].describe(pipeline.nodes["agent"].params)
+    two = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", "+nodes.agent.params.agent_processes=2"])
+    assert agent_processes(two.nodes["agent"].params["agent_processes"], "cuda") == 2
 
 
 @pytest.mark.engines  # a whole CLI run up to its data checks: too slow for `make test-fast`

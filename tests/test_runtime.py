@@ -54,7 +54,12 @@ def prompts(k):
 
 @pytest.mark.engines
 @pytest.mark.usefixtures("ray_session")
-def test_concurrent_branches_fan_out_and_order(tmp_path):
+def test_concurrent_branches_fan_out_and_order(tmp_path, monkeypatch):
+    """Branches on disjoint meshes overlap; a wait with nothing finished says what is still running."""
+    from siirl_dag.runtime import scheduler
+
+    monkeypatch.setattr(scheduler, "HEARTBEAT_S", 0.3)
+    said = []
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1", b: "megatron:d2", c: "megatron:d1"}
         nodes:
@@ -63,9 +68,11 @@ def test_concurrent_branches_fan_out_and_order(tmp_path):
           - {id: right, kind: t_scale, deps: [gen], mesh: c, model: m, params: {sleep: 1.0, factor: 3, out: z}}
           - {id: join, kind: t_join, deps: [left, right, gen], params: {keys: [x, y, z]}}
         """)
-    with Runtime(pipe) as rt:
+    with Runtime(pipe, progress=said.append) as rt:
         res = rt.run_step(prompts(4), step=0)
         s = rt.gather(res.outputs["join"], ["s"])["s"]
+    beats = [line for line in said if line.startswith("[runtime] still running: ")]
+    assert any("'left' (0.0 min)" in line and "'right' (0.0 min)" in line for line in beats), said
     x = torch.tensor([100.0 * i + j for i in range(4) for j in range(2)])
     assert torch.equal(s, x + 2 * x + 3 * x)  # fan-out: gen's x read by left, right and join
     (l0, l1), (r0, r1) = res.metrics["span/left"], res.metrics["span/right"]

@@ -69,7 +69,7 @@ class LocalBackend:
         """`value` as a shard's reference: itself, in this process."""
         return value
 
-    def wait(self, pending: list) -> list:
+    def wait(self, pending: list, timeout: float | None = None) -> list:  # noqa: ARG002 - Ray's waits that long
         """The calls of `pending` finished by now (all of them: they finished when they returned)."""
         return pending
 
@@ -261,9 +261,9 @@ class RayBackend:
 
         return ray.put(value)
 
-    def wait(self, pending: list) -> list:
-        """Every call of `pending` finished by now, once one has: a node's ranks finish together, and a
-        wait per call would cost the driver calls x pending."""
+    def wait(self, pending: list, timeout: float | None = None) -> list:
+        """Every call of `pending` finished by now, once one has (none if none has within `timeout` s): a
+        node's ranks finish together, and a wait per call would cost the driver calls x pending."""
         import ray
 
         self.fan.flush()
@@ -271,7 +271,7 @@ class RayBackend:
         for call in pending:
             waitable.setdefault(self.fan.waitable(call), []).append(call)
         refs = list(waitable)
-        ready, rest = ray.wait(refs, num_returns=1)
+        ready, rest = ray.wait(refs, num_returns=1, timeout=timeout)
         if rest:
             ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
         return [call for ref in ready for call in waitable[ref]]

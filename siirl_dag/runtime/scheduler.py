@@ -8,9 +8,12 @@ job's first. How a node reaches its ranks is the dispatcher's (`dispatch.Runtime
 from __future__ import annotations
 
 import itertools
+import time
 
 from siirl_dag.dataflow import SOURCE
 from siirl_dag.runtime.step import COMPUTE, Job, NodeOutput, Running, StepResult
+
+HEARTBEAT_S = 60.0  # a wait this long with nothing finished says what is still running (an agents' rollout, say)
 
 
 class Scheduler:
@@ -59,7 +62,11 @@ class Scheduler:
                     del self.jobs[i], self.wanted[i]
                 return {i: self.results.pop(i) for i in finished}
             waiting = [ref for run in self.running.values() for ref in run.remaining]
-            ready = set(self.rt.backend.wait(waiting)) if waiting else set()
+            ready = set(self.rt.backend.wait(waiting, HEARTBEAT_S)) if waiting else set()
+            if waiting and not ready:
+                now = time.perf_counter()
+                self.rt.progress("[runtime] still running: " + ", ".join(
+                    f"'{node}' ({(now - run.started) / 60:.1f} min)" for (_, node), run in self.running.items()))
             for key, run in list(self.running.items()):
                 run.remaining = [ref for ref in run.remaining if ref not in ready]
                 if not run.remaining:

@@ -190,9 +190,9 @@ class SimulatedBackend(LocalBackend):
         self.fan.flush()  # where a Ray driver sends its rounds
         return super().get(done, timeout)
 
-    def wait(self, pending: list) -> list:
+    def wait(self, pending: list, timeout: float | None = None) -> list:
         self.fan.flush()
-        return super().wait(pending)
+        return super().wait(pending, timeout)
 
     def fetch(self, ref):
         value = self.get(ref) if isinstance(ref, _Done) else ref

@@ -102,7 +102,7 @@ def _warm_rollouts(task: Path) -> dict:
     samples = [{"model": "policy", "prompt": r["prompt"], "messages": [{"role": "user", "content": r["prompt"]}],
                 "ground_truth": r["reward_model"]["ground_truth"], "data_source": r["data_source"],
                 "extra_info": r["extra_info"]} for r in rows]
-    out = {"nodes.demo_agents:solve": rollout_of(engine, samples, "nodes.demo_agents:solve")}
+    out = {agent: rollout_of(engine, samples, agent) for agent in ("nodes.demo_agents:solve", "nodes.demo_agents:solve_unscored")}
     out["agents_for_tests:anthropic_calculator"] = rollout_of(engine, samples, "agents_for_tests:anthropic_calculator")
     for agent in ("agents_for_tests:openai_agents_sdk", "agents_for_tests:openai_agents_sdk_responses",
                   "agents_for_tests:openai_agents_sdk_streamed", "agents_for_tests:langgraph_react"):  # room for a tool error
@@ -156,6 +156,16 @@ def test_the_endpoint_samples_what_the_engines_own_loop_samples(warm_rollouts):
         # float32 log-probs of the same tokens from batches of other sizes: kernels that sum in another
         # order (AVX-512 read 1.9e-6 at -2.6, 8 ulp)
         assert got_logprobs == pytest.approx(want_logprobs, abs=1e-5)
+
+
+def test_an_agent_may_leave_the_reward_to_the_reward_node(warm_rollouts):
+    """graphs/qwen3_8b_agent.yaml's agent: the demo's, leaving its reward to the reward node (None). Within
+    the rollout's two turns, at the same seeds, its episodes are the scoring agent's, token for token."""
+    unscored, scored = warm_rollouts["nodes.demo_agents:solve_unscored"], warm_rollouts["nodes.demo_agents:solve"]
+    assert [o.status for o in unscored.outcomes] == ["ok"] * 16, [o.error for o in unscored.outcomes if o.error][:2]
+    assert all(o.reward is None for o in unscored.outcomes) and sum(o.info["tool_calls"] for o in unscored.outcomes) >= 4
+    for got, want in zip(unscored.episodes, scored.episodes):
+        assert [(s.prompt_ids, s.ids, s.mask) for s in got.segments] == [(s.prompt_ids, s.ids, s.mask) for s in want.segments]
 
 
 @pytest.mark.parametrize("agent", ["openai_agents_sdk", "langgraph_react"])

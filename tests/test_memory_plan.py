@@ -74,6 +74,15 @@ def test_the_8b_layout_fits_an_h100(qwen3_8b):
     assert mesh == "actor" and fullest == pytest.approx(actor.peak + gen.held)
 
 
+def test_the_8b_agent_layout_fits_an_h100(qwen3_8b):
+    """graphs/qwen3_8b_agent.yaml: the engines on half the machine, the trainer and its reference on the other."""
+    agent = ROOT / "graphs" / "qwen3_8b_agent.yaml"
+    pipe = load_pipeline(agent, [qwen3_8b[0].replace("models.qwen3_8b.", "models.policy.")])
+    fullest, mesh = max(pipe.memory.device_peaks.values())
+    assert mesh == "gen" and fullest == pytest.approx(0.85 * 80) and pipe.memory.meshes["gen"].terms["kv_cache"] > 50
+    assert pipe.memory.meshes["train"].held + pipe.memory.meshes["ref"].peak < 80
+
+
 def refused(overrides) -> str:
     with pytest.raises(ConfigError) as exc:
         load_pipeline(QWEN3_8B, overrides)

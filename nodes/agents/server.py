@@ -108,6 +108,9 @@ class Endpoint:
                 parsed = json.loads(body)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
+            except RecursionError:
+                raise ApiError(400, "the request body nests arrays or objects too deeply to be read; expected a "
+                                    "request as the API describes it") from None
             if call == "messages/count_tokens":
                 asked = messages_api.read(parsed, self.service.model, counting=True)
                 return Reply(200, {"input_tokens": self.service.count(asked.chat)})

@@ -372,15 +372,17 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
 
 
 def test_agent_processes_auto_is_one_beside_a_cpu_engine_and_four_beside_a_gpus(tiny_model_dir):
-    from nodes.agents.rollout import agent_processes
+    from nodes.agents.rollout import agent_processes, concurrency_shares
     from siirl_dag.config import load_pipeline
 
     pipeline = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}"])
     asked = pipeline.nodes["agent"].params["agent_processes"]
-    assert asked == "auto" and (agent_processes(asked, "cpu"), agent_processes(asked, "cuda")) == (1, 4)
+    assert asked == "auto" and (agent_processes(asked, "cpu", 64), agent_processes(asked, "cuda", 64)) == (1, 4)
+    assert agent_processes(asked, "cuda", 2) == 2  # no more processes than episodes in flight
+    assert concurrency_shares(6, 4) == [2, 2, 1, 1] and concurrency_shares(64, 1) == [64]
     assert "in 1 process on a CPU engine, 4 on a GPU's" in pipeline.kinds["agent"].describe(pipeline.nodes["agent"].params)
     two = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", "+nodes.agent.params.agent_processes=2"])
-    assert agent_processes(two.nodes["agent"].params["agent_processes"], "cuda") == 2
+    assert agent_processes(two.nodes["agent"].params["agent_processes"], "cuda", 64) == 2
 
 
 @pytest.mark.engines  # a whole CLI run up to its data checks: too slow for `make test-fast`

@@ -35,9 +35,10 @@ GRACE_S = 30  # beyond the episodes' timeouts, before the agents' process is sto
 AUTO_PROCESSES = {"cpu": 1, "cuda": 4}
 
 
-def agent_processes(asked: int | str, device: str) -> int:
-    """The agents' processes an engine on `device` runs its episodes in (`params.agent_processes`)."""
-    return AUTO_PROCESSES[device] if asked == "auto" else asked
+def agent_processes(asked: int | str, device: str, concurrency: int) -> int:
+    """The agents' processes an engine on `device` runs its episodes in (`params.agent_processes`): never
+    more than the episodes in flight (`concurrency`), which they share."""
+    return min(AUTO_PROCESSES[device] if asked == "auto" else asked, concurrency)
 
 
 @dataclass
@@ -80,6 +81,11 @@ def _stop_all() -> None:
     _PROCESSES.clear()
 
 
+def concurrency_shares(concurrency: int, processes: int) -> list[int]:
+    """The episodes each agents' process keeps in flight: `concurrency` in all, the first ones taking the remainder."""
+    return [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+
+
 def run(ctx: Any, samples: list[dict], n: int) -> Finished:
     """`n` episodes per sample (adjacent), to their ends. A tensor-parallel engine's first rank runs the
     agents and tells its other ranks which turns to add and when to step (they must do as it does);
@@ -105,7 +111,7 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
     """The agents' processes (started, or kept from the last rollout) run the episodes, spread round robin
     with `concurrency` shared among them; this thread serves their turns."""
     engine, p, data = ctx.engine, ctx.node.params, ctx.data
-    node, count = (ctx.node.id, engine.model_path), agent_processes(p["agent_processes"], engine.ctx.device)
+    node, count = (ctx.node.id, engine.model_path), agent_processes(p["agent_processes"], engine.ctx.device, p["concurrency"])
     kept = [process for process in _PROCESSES.get(node, []) if process.proc.poll() is None]
     for process in kept[count:]:
         process.stop()
@@ -113,11 +119,11 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
     limits = Limits(data.max_prompt_length, data.max_response_length, p["max_turns"],
                     p["max_tokens_per_turn"] or data.max_response_length)
     episodes = len(samples) * n
-    share = max(1, p["concurrency"] // count)  # episodes in flight per process
+    shares = concurrency_shares(p["concurrency"], count)
     for i, process in enumerate(processes):
-        process.link.send(("rollout", RolloutSpec({**p, "concurrency": share}, samples, n, list(range(i, episodes, count)),
-                                                  limits, ctx.node.model, ctx.seed)))
-    deadline = time.monotonic() + math.ceil(math.ceil(episodes / count) / share) * p["timeout_s"] + GRACE_S
+        process.link.send(("rollout", RolloutSpec({**p, "concurrency": shares[i]}, samples, n,
+                                                  list(range(i, episodes, count)), limits, ctx.node.model, ctx.seed)))
+    deadline = time.monotonic() + math.ceil(math.ceil(episodes / count) / min(shares)) * p["timeout_s"] + GRACE_S
     why = ""
     try:
         found = engine_link.serve([process.link for process in processes], turns, deadline, tell)

@@ -19,6 +19,7 @@ import os
 import shutil
 
 from nodes import agent_loop
+from nodes.agents import FAILED, TIMEOUTS
 from nodes.chat_render import ChatRender
 from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
@@ -142,7 +143,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
 
 @node_kind("agent_rollout", consumes=("raw_prompt",), produces=_produces, strategies=("vllm",),
            params_schema="agent_rollout", check=_check, expands=True, check_data=_template_fits,
-           prompt_lengths=_prompt_lengths, describe=_describe)
+           prompt_lengths=_prompt_lengths, describe=_describe, shown=(FAILED, TIMEOUTS))
 def agent_rollout(batch, ctx):
     """Trajectories of up to max_turns turns (n per prompt; one in validation, at val_temperature)."""
     ctx.check_weights_version()

@@ -9,6 +9,7 @@ streams, at its log file; the driver keeps a duplicate of its terminal for the e
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -39,6 +40,9 @@ def redirect(path: str | Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # a warning logged here carries its level and time (Python's default prints the message alone), so
+    # that `warnings_in` counts it and a reader can place it
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
 @contextlib.contextmanager

@@ -51,6 +51,8 @@ class NodeKind:
     reads_if_held: tuple[str, ...] = ()
     # what its params make it do, in a line, for `plan` and `visualize`: describe(params) -> str
     describe: Callable[[dict], str] | None = None
+    # metrics of its own that the console's line of each step shows beside the trainer's (lost episodes, say)
+    shown: tuple[str, ...] = ()
 
     def consumed(self, params: dict) -> tuple[str, ...]:
         return tuple(self.consumes(params) if callable(self.consumes) else self.consumes)
@@ -73,13 +75,13 @@ def node_kind(name: str | None = None, *, consumes: Keys = (), produces: Keys = 
               params_schema: str | None = None, trains: bool = False, check: Callable | None = None,
               check_data: Callable | None = None, prompt_lengths: Callable | None = None, filters_rows: bool = False,
               resumes: bool = False, engine_options: Callable | None = None, expands: bool = False,
-              reads_if_held: Sequence[str] = (), describe: Callable | None = None):
+              reads_if_held: Sequence[str] = (), describe: Callable | None = None, shown: Sequence[str] = ()):
     """Decorator registering a node kind. With name=None the function is only annotated (user kinds)."""
 
     def register(fn: Callable) -> Callable:
         kind = NodeKind(name or f"{fn.__module__}:{fn.__qualname__}", fn, consumes, produces, tuple(strategies),
                         params_schema, trains, check, check_data, prompt_lengths, filters_rows, resumes, engine_options,
-                        expands, tuple(reads_if_held), describe)
+                        expands, tuple(reads_if_held), describe, tuple(shown))
         fn.node_kind = kind
         if name is not None:
             if name in KINDS and _origin(KINDS[name].fn) != _origin(fn):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,13 @@ def agent_task(made_once) -> Path:
 
 
 def run_graph(folder: Path, task: Path, graph: str, *extra: str) -> dict:
-    """A shipped agent graph on the session's task, 2 steps; its steps' metrics. The tests' agents are
-    importable as a user's module on PYTHONPATH is."""
+    """A shipped agent graph on the session's task, 2 steps; its steps' metrics."""
+    return json.loads(run_cli(folder, task, graph, *extra).stdout)["steps"]
+
+
+def run_cli(folder: Path, task: Path, graph: str, *extra: str) -> subprocess.CompletedProcess:
+    """The run's process, finished (its --json report on stdout, its console on stderr). The tests' agents
+    are importable as a user's module on PYTHONPATH is."""
     overrides = [f"models.policy.path={task / 'model'}", f"data.train_files={task / 'train.parquet'}",
                  f"data.val_files={task / 'test.parquet'}", "trainer.total_steps=2", "trainer.val_before_train=false",
                  "trainer.export_hf=false", f"trainer.default_local_dir={folder / 'ckpt'}",
@@ -38,7 +44,7 @@ def run_graph(folder: Path, task: Path, graph: str, *extra: str) -> dict:
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(ROOT / "graphs" / f"{graph}.yaml"), "--json",
                           *overrides], capture_output=True, text=True, timeout=600, cwd=folder, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout)["steps"]
+    return res
 
 
 def run_agent(folder: Path, task: Path, *extra: str) -> dict:
@@ -57,9 +63,13 @@ def run_agent(folder: Path, task: Path, *extra: str) -> dict:
 def test_a_users_own_agent_trains_through_the_openai_graph(tmp_path, agent_task):
     """Two chat turns through the `openai` client, the reward left to the graph's reward node; a third of
     the prompts' episodes raise and are lost (their groups dropped), the run finishes; the trainer's
-    log-probs over the rows are vLLM's."""
-    steps = run_graph(tmp_path, agent_task, "tiny_agent_openai_cpu", "nodes.agent.params.agent=agents_for_tests:raises_on_a_third",
-                      "nodes.actor_update.params.rollout_is=token")
+    log-probs over the rows are vLLM's. The console's line of each step shows the episodes lost, and the
+    run's closing line counts the rank's warnings about them."""
+    res = run_cli(tmp_path, agent_task, "tiny_agent_openai_cpu", "nodes.agent.params.agent=agents_for_tests:raises_on_a_third",
+                  "nodes.actor_update.params.rollout_is=token", "trainer.logger=[console,tensorboard]")
+    steps = json.loads(res.stdout)["steps"]
+    assert re.search(r"^step 1: .*agent/failed=[1-9]", res.stderr, re.M), res.stderr[-3000:]
+    assert int(re.search(r"^\[run\] (\d+) warning line\(s\) in the logs", res.stderr, re.M).group(1)) >= 2 * 4
     for step in steps.values():
         failed = step["agent/failed"]  # a lost episode made one turn, the others two
         assert 0 < failed < 128 and step["agent/turns/mean"] == 2 - failed / 128 and step["agent/segments/mean"] == 1

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodes.agents import FAILED, TIMEOUTS
 from nodes.agents.rollout import Finished
 from siirl_dag.strategies.samples import Sample
 
@@ -61,8 +62,8 @@ def metrics(finished: Finished, rows: Rows, prompts: int, validating: bool) -> d
            "agent/turns/max": float(max((e.turns for e in episodes), default=0)),
            "agent/segments/mean": sum(len(e.rows()) for e in kept) / max(len(kept), 1),
            "agent/tool_calls/mean": sum(e.tool_calls for e in episodes) / count,
-           "agent/failed": float(sum(o.status != "ok" for o in outcomes)),
-           "agent/timeouts": float(sum(o.status == "timeout" for o in outcomes)),
+           FAILED: float(sum(o.status != "ok" for o in outcomes)),
+           TIMEOUTS: float(sum(o.status == "timeout" for o in outcomes)),
            "agent/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
            "agent/endpoint_s/mean": sum(seconds) / len(seconds) if seconds else 0.0,
            "agent/sampling_overridden": float(sum(e.sampling_overridden for e in episodes)),

@@ -31,8 +31,9 @@ def _say(line: str) -> None:
 
 class MetricsLogger:
     def __init__(self, backends: tuple[str, ...], tensorboard_dir: str, total_steps: int, start_step: int = 0,
-                 run: RunInfo | None = None, report=_say):
-        self.console, self.report = "console" in backends, report
+                 run: RunInfo | None = None, report=_say, shown: tuple[str, ...] = ()):
+        """`shown`: the node kinds' metrics the console's line shows beside the trainer's."""
+        self.console, self.report, self.shown = "console" in backends, report, _CONSOLE_KEYS + tuple(shown)
         self.run = run or RunInfo(project="default", experiment="default", out_dir=Path(tensorboard_dir).parent,
                                   tensorboard_dir=tensorboard_dir, start_step=start_step)
         self.trackers: dict[str, Tracker] = {}
@@ -78,7 +79,7 @@ class MetricsLogger:
                 self.bar.set_postfix(score="/".join(f"{v:.3f}" for v in scores))
         if self.console:
             # verl's names, each under every policy's prefix when several train (`<policy>/actor/pg_loss`)
-            shown = {k: v for k, v in numbers.items() if k.endswith(_CONSOLE_KEYS) or "val-core/" in k}
+            shown = {k: v for k, v in numbers.items() if k.endswith(self.shown) or "val-core/" in k}
             self.bar.write(f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items()), file=terminal())
 
     def close(self) -> None:

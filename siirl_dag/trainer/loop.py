@@ -134,7 +134,9 @@ class Trainer:
                                            in_flight.generated(self.resume.in_flight))
             run = trackers.RunInfo(self.project, self.experiment, self.out_dir, self.tb_dir, self.pipe.file,
                                    trackers.resolved(self.pipe), self.step, resumed=self.resume.path is not None)
-            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step, run, self.progress)
+            shown = tuple(dict.fromkeys(key for kind in self.pipe.kinds.values() for key in kind.shown))
+            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step, run, self.progress,
+                                shown)
             history: dict = {"steps": {}}
             try:
                 t = self.pipe.trainer

@@ -56,6 +56,7 @@ def _describe(params) -> str:
 
         processes = f" in {AUTO_PROCESSES['cpu']} process on a CPU engine, {AUTO_PROCESSES['cuda']} on a GPU's"
     else:
+        count = min(count, params["concurrency"])  # no more than the episodes in flight (rollout.agent_processes)
         processes = f" in {count} processes" if count > 1 else ""
     return (f"{what}; {params['concurrency']} episodes at once{processes}, up to {params['max_turns']} turns, "
             f"{params['timeout_s']:g} s each")
@@ -68,9 +69,11 @@ def _check(node, pipeline) -> list[Problem]:
     given = [m for m in ONE_OF if node.params.get(m) is not None]
     if len(given) != 1:
         found = f"{' and '.join(given)} are given" if given else "none is given"
+        swap = f"; to swap one for another by override, set the other to null (nodes.{node.id}.params.{given[0]}=null)" \
+            if len(given) > 1 else ""
         return [Problem(where, f"an agent_rollout runs one kind of agent, but {found}; expected exactly one of "
                                "tools (the engine's tool loop), agent (module:function), agent_command (argv) or "
-                               "env (module:Class)")]
+                               f"env (module:Class){swap}")]
     problems, mode = _lengths_fit(node, pipeline), given[0]
     problems += {"tools": _tools_run, "agent": _agent_runs, "agent_command": _command_runs, "env": _env_runs}[mode](
         node.params[mode], where + (mode,))
@@ -98,10 +101,17 @@ def _agent_runs(ref: str, path: tuple) -> list[Problem]:
     try:
         solve = user_ref(ref, "agent", {})
     except LookupError as exc:
-        return [Problem(path, f"{exc}; expected module:function of async def solve(client, sample)")]
+        return [Problem(path, str(exc))]
     if not (inspect.iscoroutinefunction(solve) or inspect.iscoroutinefunction(getattr(solve, "__call__", None))):
         return [Problem(path, f"'{ref}' is not an async function; expected async def solve(client: openai.AsyncOpenAI, "
                               "sample: dict) -> float | dict | None")]
+    try:
+        inspect.signature(solve).bind(None, None)
+    except TypeError:
+        return [Problem(path, f"'{ref}' cannot be called as solve(client, sample): its arguments are "
+                              f"{inspect.signature(solve)}; expected async def solve(client, sample)")]
+    except ValueError:  # no signature to read (a builtin): it is called and fails then, its episodes lost
+        pass
     return []
 
 
@@ -118,7 +128,7 @@ def _env_runs(ref: str, path: tuple) -> list[Problem]:
     try:
         env = user_ref(ref, "environment", {})
     except LookupError as exc:
-        return [Problem(path, f"{exc}; expected module:Class with reset(sample) and step(text)")]
+        return [Problem(path, str(exc))]
     lacking = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
     if not callable(env) or lacking:
         return [Problem(path, f"'{ref}' has no {' or '.join(lacking) or 'constructor'}; expected a class with "

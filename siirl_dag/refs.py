@@ -12,12 +12,15 @@ def user_ref(ref: str, what: str, known: dict) -> Any:
     module runs the user's code, so whatever that raises (SyntaxError, sys.exit, ...) becomes one too."""
     module_name, colon, attr = ref.partition(":")
     if not (colon and module_name and attr):
-        raise LookupError(f"unknown {what} '{ref}'; expected one of: {', '.join(sorted(known))}, or module:function")
+        names = f"one of: {', '.join(sorted(known))}, or " if known else ""
+        raise LookupError(f"unknown {what} '{ref}'; expected {names}module:function (a colon between the module and "
+                          "the name)")
     try:
         found = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:
+        where = " (in the folder the run starts in, or a folder on PYTHONPATH)" if isinstance(exc, ModuleNotFoundError) else ""
         raise LookupError(f"cannot import module '{module_name}' of {what} '{ref}' ({type(exc).__name__}: {exc}); "
-                          "expected an importable module") from None
+                          f"expected an importable module{where}") from None
     for part in attr.split("."):
         found = getattr(found, part, None)
         if found is None:

@@ -246,6 +246,11 @@ async def speaks_messages(client, sample: dict):
         "forced": forced[0], "forced_is_anthropic_shaped": float(forced[1] == "invalid_request_error")}}
 
 
+async def takes_the_client_only(client):
+    """An agent written with the wrong signature: refused at validate."""
+    return 1.0
+
+
 async def remembers_its_key(client, sample: dict):
     """Leaves its address and key where the test finds them (to call again after the rollout)."""
     await client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=2)

@@ -352,7 +352,12 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
     from siirl_dag.config import load_pipeline
 
     params = "nodes[0].params"
-    assert "tools and agent are given" in door_problems(tiny_model_dir, "+nodes.agent.params.tools=[calculator]")[params]
+    both = door_problems(tiny_model_dir, "+nodes.agent.params.tools=[calculator]")[params]
+    assert "tools and agent are given" in both and "set the other to null (nodes.agent.params.tools=null)" in both
+    assert door_problems(tiny_model_dir, "nodes.agent.params.agent=my_agent")[params + ".agent"].startswith(
+        "unknown agent 'my_agent'; expected module:function (a colon")
+    assert "cannot be called as solve(client, sample): its arguments are (client)" in door_problems(
+        tiny_model_dir, "nodes.agent.params.agent=agents_for_tests:takes_the_client_only")[params + ".agent"]
     assert "cannot import module 'no_such_agents'" in door_problems(
         tiny_model_dir, "nodes.agent.params.agent=no_such_agents:solve")[params + ".agent"]
     assert "is not an async function" in door_problems(tiny_model_dir, "nodes.agent.params.agent=json:dumps")[params + ".agent"]
@@ -365,8 +370,8 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
                                        "+nodes.agent.params.env=agents_for_tests:CountingEnv"])
     assert env.nodes["agent"].params["env"] == "agents_for_tests:CountingEnv"
     assert {"agent_reward", "episode"} <= set(env.produces("agent")) and "agent_reward" in env.reads["reward"]
-    assert "expected one of: 'auto'" in door_problems(tiny_model_dir, "+nodes.agent.params.agent_processes=many")[
-        params + ".agent_processes"]
+    assert "'many' is not allowed; expected one of: 'auto', or an integer >= 1" in door_problems(
+        tiny_model_dir, "+nodes.agent.params.agent_processes=many")[params + ".agent_processes"]
     assert "expected a value >= 1" in door_problems(tiny_model_dir, "+nodes.agent.params.agent_processes=0")[
         params + ".agent_processes"]
 
@@ -407,3 +412,17 @@ def test_an_agent_needs_a_chat_template(tiny_model_dir, tmp_path, demo_data):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "node 'agent': the chat template of model 'policy' cannot show the messages that follow a turn" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_lost_episodes_error_names_the_agents_own_line_not_the_librarys():
+    import json as json_module
+
+    from nodes.agents.runners import _described
+
+    def agent():
+        return json_module.loads("{oops")  # raises inside the standard library
+
+    with pytest.raises(ValueError) as info:
+        agent()
+    line = agent.__code__.co_firstlineno + 1
+    assert _described(info.value).endswith(f"(at {__file__}:{line})")

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import sysconfig
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -205,9 +206,12 @@ def _last_lines(err: bytes, n: int = 5) -> str:
 
 
 def _described(exc: BaseException) -> str:
-    """The exception and where in the agent it was raised (the last frame)."""
+    """The exception and where in the agent it was raised: the last frame of the user's code, not of a
+    library it called (the `openai` client raising on a 404, say)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    libraries = tuple(sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib"))
+    own = [f for f in frames if not f.filename.startswith(libraries)] or frames
+    where = f" (at {own[-1].filename}:{own[-1].lineno})" if own else ""
     return f"{type(exc).__name__}: {exc}{where}"
 
 

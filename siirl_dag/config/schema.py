@@ -123,9 +123,20 @@ def _types_of_branches(error: ValidationError) -> list[str]:
 
 _MIN_SIZES = {"minItems": "item(s)", "minProperties": "key(s)", "minLength": "character(s)"}
 _BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "boolean": "a boolean",
+               "integer": "an integer", "number": "a number", "null": "null"}
 
 
-def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
+def _branch_words(branch: dict) -> str:
+    """A oneOf/anyOf branch of one plain type, in words with its bounds ('an integer >= 1'); '' otherwise."""
+    if not isinstance(branch.get("type"), str):
+        return ""
+    bounds = " and ".join(f"{op} {branch[k]}" for k, op in _BOUNDS.items() if k in branch)
+    return _TYPE_WORDS.get(branch["type"], branch["type"]) + (f" {bounds}" if bounds else "")
+
+
+def _problems_from(error: ValidationError, base: tuple, besides: str = "") -> Iterator[Problem]:
+    """`besides`: what the other branches of a oneOf/anyOf take, for an enum branch's message."""
     path = base + tuple(error.absolute_path)
     kw, schema, inst = error.validator, error.schema, error.instance
     if kw in ("oneOf", "anyOf") and error.context:
@@ -133,8 +144,11 @@ def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
         if wanted:  # no branch takes a value of this type: all of them said, not best_match's one
             yield Problem(path, _type_problem(inst, " or ".join(wanted)))
             return
+        refused = sorted({e.relative_schema_path[0] for e in error.context
+                          if e.validator == "type" and len(e.relative_schema_path) == 2})
+        besides = "".join(f", or {words}" for i in refused if (words := _branch_words(error.validator_value[i])))
         for sub in _fitting_branch(error):
-            yield from _problems_from(sub, base)
+            yield from _problems_from(sub, base, besides)
         return
     if kw == "additionalProperties" and isinstance(inst, dict):
         known = list(schema.get("properties", {}))
@@ -162,7 +176,7 @@ def _problems_from(error: ValidationError, base: tuple) -> Iterator[Problem]:
     if kw == "enum":
         hint = _suggest(inst, error.validator_value)
         choices = ", ".join(repr(c) for c in error.validator_value)
-        yield Problem(path, f"{inst!r} is not allowed; {hint + ' ' if hint else ''}expected one of: {choices}")
+        yield Problem(path, f"{inst!r} is not allowed; {hint + ' ' if hint else ''}expected one of: {choices}{besides}")
         return
     if kw == "pattern":
         desc = schema.get("description", f"a string matching {error.validator_value}")

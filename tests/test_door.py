@@ -116,7 +116,7 @@ def test_cuda_devices_respects_cuda_visible_devices(monkeypatch):
     assert door.cuda_devices() == 0
 
 
-@pytest.mark.parametrize("key", ["default_local_dir", "log_dir", "tensorboard_dir"])
+@pytest.mark.parametrize("key", ["output_dir", "default_local_dir", "log_dir", "tensorboard_dir"])
 def test_an_output_folder_that_is_a_file_or_under_one_is_refused(tmp_path, key):
     (tmp_path / "f").write_text("x")
     for target, why in ((tmp_path / "f", "is a file"), (tmp_path / "f" / "sub", "is a file; expected a path under folders")):

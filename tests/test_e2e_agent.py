@@ -39,11 +39,12 @@ def run_cli(folder: Path, task: Path, graph: str, *extra: str) -> subprocess.Com
                  f"data.val_files={task / 'test.parquet'}", "trainer.total_steps=2", "trainer.val_before_train=false",
                  "trainer.export_hf=false", f"trainer.default_local_dir={folder / 'ckpt'}",
                  f"trainer.tensorboard_dir={folder / 'tb'}", f"trainer.log_dir={folder / 'logs'}",
-                 "trainer.logger=[tensorboard]", "trainer.project_name=agent", "trainer.experiment_name=e2e", *extra]
+                 f"trainer.output_dir={folder / 'out'}", "trainer.logger=[tensorboard]", *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-m", "siirl_dag.main", str(ROOT / "graphs" / f"{graph}.yaml"), "--json",
                           *overrides], capture_output=True, text=True, timeout=600, cwd=folder, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert (folder / "out" / "timings.json").is_file() and not (folder / "outputs").exists()  # trainer.output_dir
     return res
 
 
@@ -87,7 +88,7 @@ def test_agent_pipeline_calls_tools_one_step_off_and_trains_on_the_models_tokens
     assert [steps[s]["async/staleness/max"] for s in ("1", "2")] == [0, 1]
     # step 1's samples come from the weights it trains (staleness 0), step 2's from one version older by design
     assert steps["1"]["rollout_corr/log_ppl_abs_diff"] < 1e-4  # the trainer's log-probs are vLLM's, tool spans masked
-    logged = [json.loads(line) for line in (tmp_path / "outputs/agent/e2e/trajectories.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "trajectories.jsonl").read_text().splitlines()]
     assert len(logged) == 3 and all(row["step"] == 2 and row["prompt"] and row["response"] for row in logged)
     assert any(part["by"] == "tool" for row in logged for part in row["response"])  # an observation, not trained on
     assert all(row["model_tokens"] > 0 and (row["tool_tokens"] > 0) == any(p["by"] == "tool" for p in row["response"])

@@ -107,7 +107,8 @@ def _folder_problem(folder: Path, what: str) -> str | None:
 def _output_folders(pipe) -> list[tuple[tuple, Path, str]]:
     t = pipe.trainer
     out = pipe.out_dir
-    return [(("trainer", "default_local_dir"), Path(t.default_local_dir or out / "checkpoints"), "checkpoint folder"),
+    return [(("trainer", "output_dir"), out, "output folder"),
+            (("trainer", "default_local_dir"), Path(t.default_local_dir or out / "checkpoints"), "checkpoint folder"),
             (("trainer", "tensorboard_dir"), Path(t.tensorboard_dir or out / "tensorboard"), "tensorboard folder"),
             (("trainer", "log_dir"), Path(t.log_dir or out / "logs"), "log folder")]
 

@@ -156,6 +156,7 @@ class TrainerSpec:
     resume_mode: str
     resume_from_path: str | None
     default_local_dir: str | None
+    output_dir: str | None
     logger: tuple[str, ...]
     project_name: str | None
     experiment_name: str | None
@@ -237,7 +238,10 @@ class Pipeline:
 
     @property
     def out_dir(self) -> Path:
-        """The run's output folder (checkpoints, logs, tensorboard and timings by default), under the working directory."""
+        """The run's output folder (checkpoints, logs, tensorboard and timings by default): trainer.output_dir,
+        else outputs/<project>/<experiment> under the working directory."""
+        if self.trainer.output_dir:
+            return Path(self.trainer.output_dir)
         return Path("outputs") / (self.trainer.project_name or self.name) / (self.trainer.experiment_name or "default")
 
     def metric_prefix(self, node_id: str) -> str:

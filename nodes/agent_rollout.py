@@ -43,21 +43,17 @@ def _produces(params) -> tuple[str, ...]:
     return PRODUCES + (AGENT_KEYS if mode_of(params) in MODES else ())
 
 
-def _describe(params) -> str:
+def _describe(params, pipeline) -> str:
     mode = mode_of(params)
     if mode == "tools":
         return f"the engine's tool loop: {', '.join(params['tools'])}; up to {params['max_turns']} turns"
     what = {"agent": f"agent {params.get('agent')}, through an OpenAI-compatible endpoint",
             "agent_command": f"agent program {' '.join(params.get('agent_command') or [])}, through an OpenAI-compatible endpoint",
             "env": f"environment {params.get('env')}, in the engine's loop"}[mode]
-    count = params["agent_processes"]
-    if count == "auto":
-        from nodes.agents.rollout import AUTO_PROCESSES
+    from nodes.agents.rollout import agent_processes
 
-        processes = f" in {AUTO_PROCESSES['cpu']} process on a CPU engine, {AUTO_PROCESSES['cuda']} on a GPU's"
-    else:
-        count = min(count, params["concurrency"])  # no more than the episodes in flight (rollout.agent_processes)
-        processes = f" in {count} processes" if count > 1 else ""
+    count = agent_processes(params["agent_processes"], pipeline.cluster.device, params["concurrency"])
+    processes = f" in {count} processes" if count > 1 else ""
     return (f"{what}; {params['concurrency']} episodes at once{processes}, up to {params['max_turns']} turns, "
             f"{params['timeout_s']:g} s each")
 

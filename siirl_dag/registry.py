@@ -49,7 +49,7 @@ class NodeKind:
     expands: bool = False
     # keys it reads when an upstream node holds them, and does without otherwise (an agent's own rewards)
     reads_if_held: tuple[str, ...] = ()
-    # what its params make it do, in a line, for `plan` and `visualize`: describe(params) -> str
+    # what its params make it do in the pipeline, in a line, for `plan` and `visualize`: describe(params, pipeline) -> str
     describe: Callable[[dict], str] | None = None
     # metrics of its own that the console's line of each step shows beside the trainer's (lost episodes, say)
     shown: tuple[str, ...] = ()

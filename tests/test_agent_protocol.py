@@ -385,7 +385,9 @@ def test_agent_processes_auto_is_one_beside_a_cpu_engine_and_four_beside_a_gpus(
     assert asked == "auto" and (agent_processes(asked, "cpu", 64), agent_processes(asked, "cuda", 64)) == (1, 4)
     assert agent_processes(asked, "cuda", 2) == 2  # no more processes than episodes in flight
     assert concurrency_shares(6, 4) == [2, 2, 1, 1] and concurrency_shares(64, 1) == [64]
-    assert "in 1 process on a CPU engine, 4 on a GPU's" in pipeline.kinds["agent"].describe(pipeline.nodes["agent"].params)
+    assert "128 episodes at once, up to 2 turns" in pipeline.does("agent")  # in one process (not said)
+    gpu = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", "cluster.device=cuda"])
+    assert "128 episodes at once in 4 processes" in gpu.does("agent")
     two = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", "+nodes.agent.params.agent_processes=2"])
     assert agent_processes(two.nodes["agent"].params["agent_processes"], "cuda", 64) == 2
 

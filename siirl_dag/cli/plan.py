@@ -29,8 +29,7 @@ def _alloc(spec: str, as_json: bool) -> int:
 
 def _does(pipe, n) -> str | None:
     """What the node's params make it do, where its kind says (an agent's, say)."""
-    describe = pipe.kinds[n.id].describe
-    return describe(n.params) if describe else None
+    return pipe.does(n.id)
 
 
 def _shared(pipe, node) -> str:

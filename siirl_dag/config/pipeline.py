@@ -232,6 +232,11 @@ class Pipeline:
     def produces(self, node_id: str) -> tuple[str, ...]:
         return self.kinds[node_id].produced(self.nodes[node_id].params)
 
+    def does(self, node_id: str) -> str | None:
+        """What the node's params make it do here, in a line, where its kind says (an agent's, say)."""
+        describe = self.kinds[node_id].describe
+        return describe(self.nodes[node_id].params, self) if describe else None
+
     def samples_per_prompt(self, node_id: str) -> int:
         """Rows per prompt in the batch this node sees (the n of the rollouts its rows come from)."""
         return self.rows.get(node_id, 1)

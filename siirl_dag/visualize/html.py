@@ -49,8 +49,7 @@ def _nodes_table(pipe: Pipeline) -> str:
     for n in pipe.nodes.values():
         style = node_style(pipe, n.id)
         where = f"{n.strategy} on mesh {n.mesh} ({pipe.meshes[n.mesh].alloc})" if n.mesh else "cpu (driver side)"
-        describe = pipe.kinds[n.id].describe
-        where += f"; {describe(n.params)}" if describe else ""
+        where += f"; {does}" if (does := pipe.does(n.id)) else ""
         keys = [escape(", ".join(k)) or "-" for k in (pipe.consumes(n.id), pipe.produces(n.id))]
         chip = f'<span class="chip" style="background:{style.fill};border-color:{style.border}"></span>'
         rows.append(f'<tr><td class="id">{chip}<b>{escape(n.id)}</b></td><td>{escape(n.kind)}</td>'

@@ -57,6 +57,11 @@ class ChatRender:
         first = close_after_eos if ended_with_eos else close
         return self._encode([(first, False), *pieces])
 
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest token id the tokenizer knows (its added tokens included)."""
+        return max(self.tokenizer.get_vocab().values())
+
     def text_after_turn(self, messages: list[dict], ended_with_eos: bool = False) -> str:
         """`after_turn`'s text (to check a template can show such messages at all)."""
         return self.tokenizer.decode(self.after_turn(messages, ended_with_eos), skip_special_tokens=False)

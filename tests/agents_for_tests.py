@@ -137,7 +137,8 @@ async def probes_the_endpoint(client, sample: dict):
     # the client handed to the agent answers in-process: the same answers, as the openai package raises them
     for name, call in {"client_wrong_model": client.chat.completions.create(**{**good, "model": "gpt-4"}),
                        "client_n2": client.chat.completions.create(**good, n=2),
-                       "client_too_large": client.completions.create(model=sample["model"], prompt="x" * (2 * 2**20))}.items():
+                       "client_too_large": client.completions.create(model=sample["model"], prompt="x" * (2 * 2**20)),
+                       "client_out_of_vocabulary": client.completions.create(model=sample["model"], prompt=[10**6])}.items():
         try:
             await call
             codes[name] = 200

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -428,3 +429,54 @@ def test_a_lost_episodes_error_names_the_agents_own_line_not_the_librarys():
         agent()
     line = agent.__code__.co_firstlineno + 1
     assert _described(info.value).endswith(f"(at {__file__}:{line})")
+
+
+def test_a_turn_the_engine_refuses_fails_that_call_not_the_rollout():
+    """The rank's loop over a stand-in engine whose request checks refuse one turn: that turn is answered
+    'refused' (its call gets a 400), the other is generated, and the rollout ends with the agents' results."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from nodes.agents import engine_link
+
+    class Engine:  # each turn added finishes at the next step; a context of [999] is refused as vLLM does
+        def __init__(self):
+            self.pending = []
+
+        @property
+        def busy(self):
+            return bool(self.pending)
+
+        def add(self, key, context, *rest):
+            if context == [999]:
+                raise ValueError("Token id 999 is out of vocabulary")
+            self.pending.append(key)
+
+        def step(self):
+            done, self.pending = self.pending, []
+            return [(key, SimpleNamespace(token_ids=[7], logprobs=[-0.5], finish_reason="stop", text="x",
+                                          top_logprobs=None)) for key in done]
+
+        def abort(self, key):
+            raise AssertionError("nothing is aborted")
+
+    ours, theirs = socket.socketpair()
+    agents, heard = Connection(theirs.detach()), []
+
+    def agents_side():
+        agents.send(("add", 0, [999], 4, None, [], 0))
+        agents.send(("add", 1, [1, 2], 4, None, [], 0))
+        heard.extend([agents.recv(), agents.recv()])
+        agents.send(("finished", "their results"))
+
+    thread = threading.Thread(target=agents_side)
+    thread.start()
+    link = engine_link.RankEnd(Connection(ours.detach()))
+    found = engine_link.serve([link], Engine(), time.monotonic() + 30)
+    thread.join()
+    link.close()
+    assert found == (["their results"], 1)
+    refused, done = sorted(heard, key=lambda m: m[0], reverse=True)
+    assert refused == ("refused", 0, "ValueError: Token id 999 is out of vocabulary")
+    assert done[:2] == ("done", 1) and done[2].token_ids == [7]

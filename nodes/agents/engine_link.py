@@ -11,7 +11,8 @@ waits to send too: the rank sends from a thread of its own, the agents through t
     agents -> rank: ("add", key, context ids, max_tokens, seed, stop, top_logprobs), ("abort", key),
                     ("finished", results), ("failed", traceback)   (a rank may serve several such processes:
                     `params.agent_processes`)
-    rank -> agents: ("done", key, Turn), ("rollout", spec), ("exit",)
+    rank -> agents: ("done", key, Turn), ("refused", key, why) (the engine would not take the turn: a
+                    token id out of its vocabulary, say; that call's 400), ("rollout", spec), ("exit",)
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class Turn:
 
 class AgentsGone(RuntimeError):
     """The agents' process closed its end (it exited, or was killed)."""
+
+
+class TurnRefused(ValueError):
+    """The engine would not take a turn (its request checks refused it): the call's own fault."""
 
 
 class RankEnd:
@@ -91,7 +96,12 @@ def serve(links: list[RankEnd], turns: Turns, deadline: float, tell: Callable[[l
                         raise RuntimeError(f"the agents' rollout failed in their process:\n{message[1]}")
                     else:
                         message = (message[0], (i, message[1]), *message[2:])  # its key on the engine
-                        if _apply(turns, live, message):
+                        try:
+                            changed = _apply(turns, live, message)
+                        except (ValueError, TypeError) as exc:  # refused by the engine's checks: that call fails
+                            links[i].send(("refused", message[1][1], f"{type(exc).__name__}: {exc}"))
+                            continue
+                        if changed:
                             commands.append(message)
                 if all(r is not None for r in results):
                     return results, peak
@@ -130,8 +140,8 @@ def follow(turns: Turns, hear: Callable[[], list | None]) -> None:
 def _apply(turns: Turns, live: set, message: tuple) -> bool:
     """An agents' add or abort on the engine; whether it changed anything."""
     if message[0] == "add":
-        live.add(message[1])
         turns.add(*message[1:])
+        live.add(message[1])
         return True
     if message[0] == "abort" and message[1] in live:
         live.discard(message[1])
@@ -182,6 +192,11 @@ class AgentsEnd:
         future = self._waiting.pop(key, None)
         if future is not None and not future.done():
             future.set_result(sample)
+
+    def refused(self, key: int, why: str) -> None:
+        future = self._waiting.pop(key, None)
+        if future is not None and not future.done():
+            future.set_exception(TurnRefused(why))
 
     def forget(self) -> None:
         """A rollout is over: nothing waits any more."""

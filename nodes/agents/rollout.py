@@ -73,6 +73,12 @@ class AgentsProcess:
 _PROCESSES: dict[tuple[str, str], list[AgentsProcess]] = {}  # (node id, model) -> its agents' processes, in this rank process
 
 
+def _stop(node: tuple[str, str]) -> None:
+    """Stop a node's agents' processes; its next rollout starts new ones."""
+    for process in _PROCESSES.pop(node, []):
+        process.stop()
+
+
 @atexit.register
 def _stop_all() -> None:
     for processes in _PROCESSES.values():
@@ -131,11 +137,12 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
     except engine_link.AgentsGone:
         status = next((process.proc.wait() for process in processes if process.proc.poll() is not None), None)
         found, why = None, f"an agents' process exited (status {status})"
+    except BaseException:  # the engine failed: processes still in this rollout must not answer the next one
+        _stop(node)
+        raise
     if found is None:
         log.error("%s; this rollout's episodes are lost, and the processes are started anew", why)
-        for process in processes:
-            process.stop()
-        del _PROCESSES[node]
+        _stop(node)
         indexes = [i for i in range(len(samples)) for _ in range(n)]
         return Finished([EpisodeRecord(k, i, [], 0, 0, 0, 0, []) for k, i in enumerate(indexes)],
                         [Outcome("timeout" if "deadline" in why else "failed", error=why) for _ in indexes], 0)

@@ -14,7 +14,7 @@ from typing import Any
 
 from nodes.agents import openai_api
 from nodes.agents.episode import Episode, Limits, TooLong
-from nodes.agents.engine_link import AgentsEnd
+from nodes.agents.engine_link import AgentsEnd, TurnRefused
 from nodes.agents.openai_api import ApiError, Request
 from nodes.chat_render import ChatRender
 
@@ -76,6 +76,9 @@ class Service:
 
     async def complete(self, episode: Episode, req: Request) -> dict:
         """A /v1/completions call: the continuation of `req.prompt`."""
+        if isinstance(req.prompt, list) and max(req.prompt) > self.render.max_token_id:
+            raise ApiError(400, f"token id {max(req.prompt)} is not in the model's vocabulary; expected ids from 0 to "
+                                f"{self.render.max_token_id}", param="prompt")
         async with _Call(episode) as call:
             planned = self._plan(lambda: episode.plan_text(req.prompt), "prompt")
             text, finish, sample = "", "length", None
@@ -104,7 +107,10 @@ class Service:
     async def _generate(self, episode: Episode, planned, req: Request, stop: list[str]):
         seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + episode.turns) % 2**31
         max_tokens = min(planned.max_tokens, req.max_tokens or planned.max_tokens)
-        return await self.turns.generate(planned.context, max_tokens, seed, stop, req.top_logprobs)
+        try:
+            return await self.turns.generate(planned.context, max_tokens, seed, stop, req.top_logprobs)
+        except TurnRefused as exc:
+            raise ApiError(400, f"the engine refused this turn ({exc}); expected a request it can sample") from None
 
     def _logprobs(self, req: Request, sample: Any) -> list[dict] | None:
         if not req.logprobs:

@@ -104,6 +104,8 @@ async def serve(fd: int, tokenizer_path: str) -> None:
             while (message := await link.receive())[0] != "exit":
                 if message[0] == "done":
                     link.received(message[1], message[2])
+                elif message[0] == "refused":
+                    link.refused(message[1], message[2])
                 elif message[0] == "rollout":
                     specs.put_nowait(message[1])
         except EOFError:

@@ -18,6 +18,8 @@ from typing import Any
 
 _USER, _ASSISTANT = "U7f3a", "A7f3a"  # stand-ins of the turn new messages follow
 _CONTENT = "C{}x7f3a"  # stand-in of the i-th message content, cut out of the rendering
+# what the rendering sets itself, never a request's chat_template_kwargs: the conversation, its tools, the prompt
+_RENDER_SETS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class ChatRender:
@@ -56,6 +58,21 @@ class ChatRender:
             pieces = [(self._render(_turn() + _template_ready(messages), tools, True, template_kwargs)[len(before):], False)]
         first = close_after_eos if ended_with_eos else close
         return self._encode([(first, False), *pieces])
+
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The chat template's variables a request may set (Qwen3's enable_thinking, say): the names it reads
+        that neither the rendering, Jinja nor the tokenizer's special tokens provide. Nothing else may be
+        passed to the template (`chat_template` itself, `tokenize`, ...)."""
+        from jinja2 import meta
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        source = self.tokenizer.chat_template
+        names: set[str] = set()
+        for text in source.values() if isinstance(source, dict) else [source]:
+            env = _compile_jinja_template(text).environment  # transformers' own, with its extensions
+            names |= meta.find_undeclared_variables(env.parse(text)) - set(env.globals)
+        return frozenset(names - _RENDER_SETS - set(self.tokenizer.special_tokens_map))
 
     @functools.cached_property
     def max_token_id(self) -> int:

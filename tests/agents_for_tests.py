@@ -124,7 +124,9 @@ async def probes_the_endpoint(client, sample: dict):
                  "n2": (await status(f"{base}/chat/completions", {**good, "n": 2}))[0],
                  "forced_tool": (await status(f"{base}/chat/completions", {**good, "tool_choice": "required"}))[0],
                  "not_json": (await status(f"{base}/chat/completions", content=b"{oops"))[0],
-                 "nested_too_deeply": (await status(f"{base}/chat/completions", content=b"[" * 100_000))[0]}
+                 "nested_too_deeply": (await status(f"{base}/chat/completions", content=b"[" * 100_000))[0],
+                 "template_of_its_own": (await status(f"{base}/chat/completions", {
+                     **good, "chat_template_kwargs": {"chat_template": "{{ 'X' }}"}}))[0]}
         for earlier in left.glob("key-*"):  # an ended episode's key
             codes["reused_key"] = (await status(f"{base.split('/episodes/')[0]}/v1/chat/completions", good,
                                                 token=earlier.read_text()))[0]

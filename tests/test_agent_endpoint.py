@@ -124,7 +124,8 @@ def test_the_endpoint_answers_bad_calls_as_openai_does(vllm_engine, tmp_path):
     assert (info["ok"], info["wrong_key"], info["reused_key"], info["other_episode"], info["too_large"],
             info["wrong_model"], info["n2"], info["forced_tool"], info["not_json"]) == (200, 401, 401, 403, 413, 404,
                                                                                           400, 400, 400)
-    assert (info["no_such_path"], info["wrong_method"], info["nested_too_deeply"]) == (404, 405, 400)
+    assert (info["no_such_path"], info["wrong_method"], info["nested_too_deeply"], info["template_of_its_own"]) == (
+        404, 405, 400, 400)
     assert (info["client_wrong_model"], info["client_n2"], info["client_too_large"], info["client_out_of_vocabulary"]) == (
         404, 400, 413, 400)
     assert info["names_the_model"] == 1.0

@@ -480,3 +480,16 @@ def test_a_turn_the_engine_refuses_fails_that_call_not_the_rollout():
     refused, done = sorted(heard, key=lambda m: m[0], reverse=True)
     assert refused == ("refused", 0, "ValueError: Token id 999 is out of vocabulary")
     assert done[:2] == ("done", 1) and done[2].token_ids == [7]
+
+
+def test_a_request_may_set_only_the_chat_templates_own_variables(tokenizer):
+    """Qwen3's enable_thinking, not the template itself or the render's arguments: a request's
+    chat_template_kwargs never hand Jinja a template of theirs."""
+    import copy
+
+    thinking = copy.copy(tokenizer)
+    thinking.chat_template = ("{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}"
+                              "{% if add_generation_prompt %}{% if enable_thinking is false %}<nothink>{% endif %}{% endif %}"
+                              "{{ eos_token }}")
+    assert ChatRender(thinking).template_variables == {"enable_thinking"}
+    assert ChatRender(tokenizer).template_variables == frozenset()  # the tiny model's template reads none

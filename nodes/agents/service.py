@@ -12,6 +12,8 @@ import secrets
 import time
 from typing import Any
 
+from jinja2 import TemplateError
+
 from nodes.agents import openai_api
 from nodes.agents.episode import Episode, Limits, TooLong
 from nodes.agents.engine_link import AgentsEnd, TurnRefused
@@ -57,6 +59,7 @@ class Service:
 
     async def chat(self, episode: Episode, req: Request) -> dict:
         """A /v1/chat/completions call: the next turn after `req.messages`."""
+        self._check_template_kwargs(req.template_kwargs)
         async with _Call(episode) as call:
             planned = self._plan(lambda: episode.plan_chat(req.messages, req.tools, req.template_kwargs), "messages")
             if planned.context is None:
@@ -91,9 +94,19 @@ class Service:
             episode.sampling_overridden += req.overridden
             return call.answer
 
+    def _check_template_kwargs(self, kwargs: dict) -> None:
+        """Only the chat template's own variables: a request may not hand the template a template of its
+        own (Jinja run on the agents' process, and control tokens written as the model's) or the render's arguments."""
+        unknown = sorted(set(kwargs) - self.render.template_variables)
+        if unknown:
+            known = ", ".join(sorted(self.render.template_variables)) or "none"
+            raise ApiError(400, f"chat_template_kwargs: {', '.join(map(repr, unknown))} is not a variable of this model's "
+                                f"chat template; expected only its variables ({known})", param="chat_template_kwargs")
+
     def count(self, req: Request) -> int:
         """The tokens `req.messages` take as a prompt (Anthropic's count_tokens): rendered whole, as a
         conversation's first call is; no episode is changed."""
+        self._check_template_kwargs(req.template_kwargs)
         return len(self._plan(lambda: self.render.prompt(req.messages, req.tools, **req.template_kwargs), "messages"))
 
     def _plan(self, plan, param: str):
@@ -101,7 +114,7 @@ class Service:
             return plan()
         except TooLong as exc:
             raise ApiError(400, str(exc), "context_length_exceeded", param) from None
-        except (ValueError, TypeError) as exc:  # the chat template refused these messages
+        except (ValueError, TypeError, TemplateError) as exc:  # the chat template refused these messages
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", param=param) from None
 
     async def _generate(self, episode: Episode, planned, req: Request, stop: list[str]):

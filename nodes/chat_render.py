@@ -6,7 +6,9 @@ generation prompt), cut from a rendering of them after a stand-in turn. The toke
 stay what they were, so the model's own tokens are never re-tokenized (a round trip through text
 can merge or split them differently). Message contents are tokenized with their special tokens split
 into plain text, so text from a tool, an environment or an agent that holds the template's control
-tokens (`<|im_end|>`) cannot end a turn or fake a role; the template's own text keeps its special tokens.
+tokens (`<|im_end|>`) cannot end a turn or fake a role; the template's own text keeps its special tokens,
+so what else a conversation puts in it (its tools, tool calls' names and arguments) may hold none of them
+(ValueError). The stand-ins cut out of a rendering carry a random tag, which no request can hold.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import secrets
 from typing import Any
 
-_USER, _ASSISTANT = "U7f3a", "A7f3a"  # stand-ins of the turn new messages follow
-_CONTENT = "C{}x7f3a"  # stand-in of the i-th message content, cut out of the rendering
+_TAG = secrets.token_hex(8)
+_USER, _ASSISTANT = f"U{_TAG}", f"A{_TAG}"  # stand-ins of the turn new messages follow
+_CONTENT = "C{}x" + _TAG  # stand-in of the i-th message content, cut out of the rendering
 # what the rendering sets itself, never a request's chat_template_kwargs: the conversation, its tools, the prompt
 _RENDER_SETS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -29,13 +33,14 @@ class ChatRender:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
-        self._frames: dict[str, tuple[str, str, str]] = {}
+        self._frames = functools.lru_cache(maxsize=64)(self._frame_of)  # by tools and template kwargs, as JSON
         # the template's own text between contents (the system prompt with the tools, a turn's close) is
         # the same in every episode: tokenized once
-        self._template_ids = functools.lru_cache(maxsize=1024)(self._template_text_ids)
+        self._template_ids = functools.lru_cache(maxsize=256)(self._template_text_ids)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
         """The whole conversation and the generation prompt."""
+        self._check_plain(messages, tools, template_kwargs)
         masked, contents = _stand_ins(messages)
         rendered = self._render(masked, tools, True, template_kwargs)
         pieces = _cut(rendered, contents)
@@ -47,6 +52,7 @@ class ChatRender:
                    **template_kwargs: Any) -> list[int]:
         """What follows an assistant turn: the template's close of the turn (less the EOS the model
         sampled, when it ended with one), the new `messages`, and the generation prompt."""
+        self._check_plain(messages, tools, template_kwargs)
         before, close, close_after_eos = self._frame(tools, template_kwargs)
         masked, contents = _stand_ins(messages)
         rendered = self._render(_turn() + masked, tools, True, template_kwargs)
@@ -86,13 +92,29 @@ class ChatRender:
     def _frame(self, tools, template_kwargs) -> tuple[str, str, str]:
         """(a stand-in exchange as the template renders it, what closes its assistant turn, that close
         after a turn the model ended with EOS)."""
-        key = json.dumps([tools, template_kwargs], sort_keys=True, default=str)
-        if key not in self._frames:
-            before = self._render(_turn(), tools, False, template_kwargs)
-            close = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]
-            eos = self.tokenizer.eos_token or ""
-            self._frames[key] = (before, close, close.removeprefix(eos) if eos else close)
-        return self._frames[key]
+        return self._frames(json.dumps([tools, template_kwargs], sort_keys=True, default=str))
+
+    def _frame_of(self, key: str) -> tuple[str, str, str]:
+        tools, template_kwargs = json.loads(key)
+        before = self._render(_turn(), tools, False, template_kwargs)
+        close = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]
+        eos = self.tokenizer.eos_token or ""
+        return before, close, close.removeprefix(eos) if eos else close
+
+    @functools.cached_property
+    def _control_tokens(self) -> tuple[str, ...]:
+        special = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        return tuple(sorted(special | set(self.tokenizer.all_special_tokens)))
+
+    def _check_plain(self, messages: list[dict], tools, template_kwargs: dict) -> None:
+        """What the template writes as its own text besides the contents must not hold a control token."""
+        text = json.dumps([tools, template_kwargs, [{k: v for k, v in m.items() if k != "content"} for m in messages]],
+                          ensure_ascii=False, default=str)
+        for token in self._control_tokens:
+            if token in text:
+                raise ValueError(f"the model's control token {token!r} is in the tools, a tool call or a message's fields "
+                                 "other than its content, which the template writes as its own text; expected plain "
+                                 "text there")
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool, template_kwargs: dict) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,

@@ -125,6 +125,11 @@ async def probes_the_endpoint(client, sample: dict):
                  "forced_tool": (await status(f"{base}/chat/completions", {**good, "tool_choice": "required"}))[0],
                  "not_json": (await status(f"{base}/chat/completions", content=b"{oops"))[0],
                  "nested_too_deeply": (await status(f"{base}/chat/completions", content=b"[" * 100_000))[0],
+                 "deep_arguments": (await status(f"{base}/chat/completions", {**good, "messages": [
+                     *good["messages"], {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": "[" * 100_000}}]},
+                     {"role": "tool", "tool_call_id": "c", "content": "1"}]}))[0],
+                 "not_a_number": (await status(f"{base}/chat/completions", content=b'{"model": "policy", "max_tokens": NaN}'))[0],
                  "template_of_its_own": (await status(f"{base}/chat/completions", {
                      **good, "chat_template_kwargs": {"chat_template": "{{ 'X' }}"}}))[0]}
         for earlier in left.glob("key-*"):  # an ended episode's key
@@ -135,6 +140,7 @@ async def probes_the_endpoint(client, sample: dict):
         codes["wrong_model"] = code
         codes["no_such_path"] = (await status(f"{base}/chat/completion", good))[0]
         codes["wrong_method"] = (await http.get(f"{base}/chat/completions", headers={"Authorization": f"Bearer {key}"})).status_code
+        codes["lowercase_bearer"] = (await http.get(f"{base}/models", headers={"Authorization": f"bearer {key}"})).status_code
         models = (await http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})).json()
     # the client handed to the agent answers in-process: the same answers, as the openai package raises them
     for name, call in {"client_wrong_model": client.chat.completions.create(**{**good, "model": "gpt-4"}),

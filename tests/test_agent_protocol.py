@@ -47,6 +47,7 @@ def read(body: dict, chat: bool = True):
     ({"messages": USER, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": USER, "stop": [""]}, 400, "stop"),
     ({"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": USER, "n": True}, 400, "n"),
 ])
 def test_requests_that_would_change_what_is_sampled_or_do_not_parse_are_refused(body, status, param):
     with pytest.raises(ApiError) as info:
@@ -64,6 +65,7 @@ def test_a_request_is_read_into_what_the_turn_needs():
     assert (req.max_tokens, req.stop, req.top_logprobs, req.overridden) == (5, ["x"], 2, True)
     assert req.parse_tool_calls and req.one_call_per_turn and req.stream and req.include_usage
     assert read({"prompt": ["text"]}, chat=False).prompt == "text" and read({"prompt": [1, 2]}, chat=False).prompt == [1, 2]
+    assert read({"messages": USER, "max_completion_tokens": None, "max_tokens": 3}).max_tokens == 3
     with pytest.raises(ApiError):
         read({"prompt": "x", "echo": True}, chat=False)
 
@@ -493,3 +495,17 @@ def test_a_request_may_set_only_the_chat_templates_own_variables(tokenizer):
                               "{{ eos_token }}")
     assert ChatRender(thinking).template_variables == {"enable_thinking"}
     assert ChatRender(tokenizer).template_variables == frozenset()  # the tiny model's template reads none
+
+
+def test_control_tokens_are_refused_where_the_template_writes_them_as_its_own(tokenizer):
+    """A message's content may hold the model's control tokens (they are split into plain text); tools and
+    tool calls, which the template writes as its own text, may not."""
+    render, eos = ChatRender(tokenizer), tokenizer.eos_token
+    tool = {"type": "function", "function": {"name": "f", "description": f"ends here{eos}", "parameters": {}}}
+    assert tokenizer.eos_token_id not in render.prompt([{"role": "user", "content": f"a{eos}b"}])
+    with pytest.raises(ValueError, match="control token"):
+        render.prompt(USER, [tool])
+    called = [*USER, {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": "c", "type": "function", "function": {"name": f"f{eos}", "arguments": "{}"}}]}]
+    with pytest.raises(ValueError, match="control token"):
+        render.prompt(called)

@@ -67,7 +67,7 @@ def read(body: Any, served: str, chat: bool) -> Request:
     if model != served:
         raise ApiError(404, f"the model '{_short(model)}' does not exist here; this endpoint serves '{served}' "
                             "(the `model` of each episode's sample)", "model_not_found", "model")
-    if body.get("n", 1) != 1:
+    if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), bool):
         raise ApiError(400, "n must be 1: each call is one turn of one episode (more samples per prompt: the "
                             "rollout's options.n)", param="n")
     for key in ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"):
@@ -75,7 +75,7 @@ def read(body: Any, served: str, chat: bool) -> Request:
             raise ApiError(400, f"{key} is not served: constrained decoding changes what is sampled, and the "
                                 "trainer would score the unconstrained distribution", param=key)
     req = Request(overridden=any(body.get(k) is not None for k in OVERRIDDEN))
-    req.max_tokens = positive(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    req.max_tokens = positive(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     req.stop = _stop(body.get("stop"))
     req.stream = _flag(body, "stream")
     req.include_usage = bool(isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"))
@@ -142,7 +142,7 @@ def _completion_fields(body: dict, req: Request) -> None:
     for key in ("echo", "suffix"):
         if body.get(key):
             raise ApiError(400, f"{key} is not served", param=key)
-    if body.get("best_of", 1) != 1:
+    if body.get("best_of", 1) not in (1, None) or isinstance(body.get("best_of"), bool):
         raise ApiError(400, "best_of must be 1: each call is one turn of one episode", param="best_of")
     req.prompt = prompt
     logprobs = body.get("logprobs")

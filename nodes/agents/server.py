@@ -22,7 +22,6 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
-from urllib.parse import unquote
 
 import httpx
 from aiohttp import web
@@ -105,12 +104,9 @@ class Endpoint:
             if len(body) > self.max_bytes:
                 raise _too_large(len(body), self.max_bytes)
             try:
-                parsed = json.loads(body)
+                parsed = json.loads(body, parse_constant=_not_json)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
-            except RecursionError:
-                raise ApiError(400, "the request body nests arrays or objects too deeply to be read; expected a "
-                                    "request as the API describes it") from None
             if call == "messages/count_tokens":
                 asked = messages_api.read(parsed, self.service.model, counting=True)
                 return Reply(200, {"input_tokens": self.service.count(asked.chat)})
@@ -122,14 +118,16 @@ class Endpoint:
             chat = call == "chat/completions"
             req = openai_api.read(parsed, self.service.model, chat)
             answer = await (self.service.chat if chat else self.service.complete)(episode, req)
+        except RecursionError:  # JSON nested deeper than Python reads it: the body, or a tool call's arguments
+            return _too_deep(anthropic)
         except ApiError as exc:
             return Reply(exc.status, messages_api.error_body(exc) if anthropic else exc.body())
         return Reply(200, answer, openai_api.stream_chunks(answer, req.include_usage) if req.stream else None)
 
     def _models(self, asked: str | None, anthropic: bool) -> dict:
         served = self.service.model
-        if asked is not None and unquote(asked) != served:
-            raise ApiError(404, f"the model '{unquote(asked)}' does not exist here; this endpoint serves '{served}'",
+        if asked is not None and asked != served:  # the path as received is decoded already
+            raise ApiError(404, f"the model '{asked}' does not exist here; this endpoint serves '{served}'",
                            "model_not_found")
         return (messages_api if anthropic else openai_api).models(served, asked and served)
 
@@ -140,13 +138,13 @@ class Endpoint:
             reply = Reply(exc.status, exc.body())
         else:
             reply = await self.reply(request.method, request.path, request.headers, body)
-        payload, kind = reply.payload()
-        return web.Response(body=payload, status=reply.status, content_type=kind)
+        status, payload, kind = _sent(reply)
+        return web.Response(body=payload, status=status, content_type=kind)
 
     def _episode(self, headers: Mapping[str, str], index: str | None):
         header = headers.get("Authorization", "")
-        key = header[len("Bearer "):].strip() if header.startswith("Bearer ") else headers.get("api-key") or \
-            headers.get("x-api-key")  # Anthropic's clients
+        key = header[len("Bearer "):].strip() if header[:len("Bearer ")].lower() == "bearer " else \
+            headers.get("api-key") or headers.get("x-api-key")  # Anthropic's clients
         return self.service.authorize(key, index)
 
 
@@ -157,8 +155,27 @@ class _InProcess(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
         reply = await self.endpoint.reply(request.method, request.url.path, request.headers, body)
-        payload, kind = reply.payload()
-        return httpx.Response(reply.status, headers={"content-type": kind}, content=payload, request=request)
+        status, payload, kind = _sent(reply)
+        return httpx.Response(status, headers={"content-type": kind}, content=payload, request=request)
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _too_deep(anthropic: bool) -> Reply:
+    exc = ApiError(400, "the request nests arrays or objects too deeply to be read; expected a request as the API "
+                        "describes it")
+    return Reply(exc.status, messages_api.error_body(exc) if anthropic else exc.body())
+
+
+def _sent(reply: Reply) -> tuple[int, bytes, str]:
+    """The reply as sent: its status, bytes and content type (a Response that echoes a request's tools nested
+    too deeply to be written: that request's 400)."""
+    try:
+        return reply.status, *reply.payload()
+    except RecursionError:
+        return _sent(_too_deep(False))
 
 
 async def _body(request: web.Request, limit: int) -> bytes:

@@ -130,6 +130,8 @@ async def probes_the_endpoint(client, sample: dict):
                                          "function": {"name": "f", "arguments": "[" * 100_000}}]},
                      {"role": "tool", "tool_call_id": "c", "content": "1"}]}))[0],
                  "not_a_number": (await status(f"{base}/chat/completions", content=b'{"model": "policy", "max_tokens": NaN}'))[0],
+                 "lone_surrogate": "lone UTF-16 surrogate" in (await status(f"{base}/chat/completions", content=json.dumps(
+                     {**good, "messages": [{"role": "user", "content": "\ud800"}]}).encode()))[1]["message"],
                  "template_of_its_own": (await status(f"{base}/chat/completions", {
                      **good, "chat_template_kwargs": {"chat_template": "{{ 'X' }}"}}))[0]}
         for earlier in left.glob("key-*"):  # an ended episode's key

@@ -107,6 +107,9 @@ class Endpoint:
                 parsed = json.loads(body, parse_constant=_not_json)
             except ValueError as exc:
                 raise ApiError(400, f"the request body is not JSON ({exc})") from None
+            if b"\\u" in body.lower() and not _unicode(parsed):  # only escapes can make a lone surrogate
+                raise ApiError(400, "the request holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff without its "
+                                    "pair); expected valid Unicode text")
             if call == "messages/count_tokens":
                 asked = messages_api.read(parsed, self.service.model, counting=True)
                 return Reply(200, {"input_tokens": self.service.count(asked.chat)})
@@ -157,6 +160,15 @@ class _InProcess(httpx.AsyncBaseTransport):
         reply = await self.endpoint.reply(request.method, request.url.path, request.headers, body)
         status, payload, kind = _sent(reply)
         return httpx.Response(status, headers={"content-type": kind}, content=payload, request=request)
+
+
+def _unicode(parsed: Any) -> bool:
+    """Whether every string in it is valid Unicode (JSON's escapes can write half a surrogate pair)."""
+    try:
+        json.dumps(parsed, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _not_json(constant: str) -> None:

@@ -18,6 +18,8 @@ import inspect
 import os
 import shutil
 
+from jinja2 import TemplateError
+
 from nodes import agent_loop
 from nodes.agents import FAILED, TIMEOUTS
 from nodes.chat_render import ChatRender
@@ -141,7 +143,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
             Observations(tokenizer).text(["1"], False)
         else:
             ChatRender(tokenizer).text_after_turn([{"role": "user", "content": "1"}])
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, TemplateError) as exc:
         return [f"the chat template of model '{node.model}' cannot show the messages that follow a turn: {exc}; "
                 "expected a tokenizer with a chat template"]
     return _prompts_fit(node, pipeline, data)

@@ -1,10 +1,11 @@
 """Chat messages as the token ids a model reads, each message rendered once and never again.
 
 A conversation's first request is rendered whole by the chat template; every later one only its new
-messages: the text the template writes after an assistant turn (its close, the new messages, the
-generation prompt), cut from a rendering of them after a stand-in turn. The tokens of earlier turns
-stay what they were, so the model's own tokens are never re-tokenized (a round trip through text
-can merge or split them differently). Message contents are tokenized with their special tokens split
+messages: the text the template writes after an assistant turn's content (its close, the new
+messages, the generation prompt), cut from a rendering of them after a stand-in turn. The tokens of
+earlier turns stay what they were, so the model's own tokens are never re-tokenized (a round trip
+through text can merge or split them differently), and what a template would write differently in
+them once more messages follow (Qwen3 drops an earlier turn's thinking) is left as the model saw it. Message contents are tokenized with their special tokens split
 into plain text, so text from a tool, an environment or an agent that holds the template's control
 tokens (`<|im_end|>`) cannot end a turn or fake a role; the template's own text keeps its special tokens,
 so what else a conversation puts in it (its tools, tool calls' names and arguments) may hold none of them
@@ -19,9 +20,12 @@ import json
 import secrets
 from typing import Any
 
+from nodes import json_nesting
+
 _TAG = secrets.token_hex(8)
 _USER, _ASSISTANT = f"U{_TAG}", f"A{_TAG}"  # stand-ins of the turn new messages follow
 _CONTENT = "C{}x" + _TAG  # stand-in of the i-th message content, cut out of the rendering
+ARGUMENTS_DEPTH = 100  # a tool call's arguments nested deeper are shown as their text
 # what the rendering sets itself, never a request's chat_template_kwargs: the conversation, its tools, the prompt
 _RENDER_SETS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
@@ -33,7 +37,7 @@ class ChatRender:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
-        self._frames = functools.lru_cache(maxsize=64)(self._frame_of)  # by tools and template kwargs, as JSON
+        self.template_variables = _template_variables(tokenizer)
         # the template's own text between contents (the system prompt with the tools, a turn's close) is
         # the same in every episode: tokenized once
         self._template_ids = functools.lru_cache(maxsize=256)(self._template_text_ids)
@@ -45,6 +49,7 @@ class ChatRender:
         rendered = self._render(masked, tools, True, template_kwargs)
         pieces = _cut(rendered, contents)
         if pieces is None:  # the template changed a content: the whole text, tokenized as vLLM's server does
+            self._check_contents_plain(contents)
             return self._encode([(self._render(_template_ready(messages), tools, True, template_kwargs), False)])
         return self._encode(pieces)
 
@@ -53,32 +58,24 @@ class ChatRender:
         """What follows an assistant turn: the template's close of the turn (less the EOS the model
         sampled, when it ended with one), the new `messages`, and the generation prompt."""
         self._check_plain(messages, tools, template_kwargs)
-        before, close, close_after_eos = self._frame(tools, template_kwargs)
         masked, contents = _stand_ins(messages)
-        rendered = self._render(_turn() + masked, tools, True, template_kwargs)
-        if not rendered.startswith(before):
-            raise ValueError("the chat template renders earlier turns differently once more messages follow; "
-                             "expected a template that appends messages")
-        pieces = _cut(rendered[len(before):], contents)
+        pieces = _cut(self._after_turn_text(masked, tools, template_kwargs), contents)
         if pieces is None:
-            pieces = [(self._render(_turn() + _template_ready(messages), tools, True, template_kwargs)[len(before):], False)]
-        first = close_after_eos if ended_with_eos else close
-        return self._encode([(first, False), *pieces])
+            self._check_contents_plain(contents)
+            pieces = [(self._after_turn_text(_template_ready(messages), tools, template_kwargs), False)]
+        eos = self.tokenizer.eos_token or ""
+        if ended_with_eos and eos:  # the model wrote the close's EOS itself
+            pieces[0] = (pieces[0][0].removeprefix(eos), False)
+        return self._encode(pieces)
 
-    @functools.cached_property
-    def template_variables(self) -> frozenset[str]:
-        """The chat template's variables a request may set (Qwen3's enable_thinking, say): the names it reads
-        that neither the rendering, Jinja nor the tokenizer's special tokens provide. Nothing else may be
-        passed to the template (`chat_template` itself, `tokenize`, ...)."""
-        from jinja2 import meta
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        source = self.tokenizer.chat_template
-        names: set[str] = set()
-        for text in source.values() if isinstance(source, dict) else [source]:
-            env = _compile_jinja_template(text).environment  # transformers' own, with its extensions
-            names |= meta.find_undeclared_variables(env.parse(text)) - set(env.globals)
-        return frozenset(names - _RENDER_SETS - set(self.tokenizer.special_tokens_map))
+    def _after_turn_text(self, messages: list[dict], tools, template_kwargs: dict) -> str:
+        """The text after a stand-in assistant turn's content in a rendering of it followed by `messages`."""
+        rendered = self._render(_turn() + messages, tools, True, template_kwargs)
+        at = rendered.find(_ASSISTANT)
+        if at == -1:
+            raise ValueError("the chat template does not show an assistant turn's content as it is; expected a "
+                             "template that writes it unchanged")
+        return rendered[at + len(_ASSISTANT):]
 
     @functools.cached_property
     def max_token_id(self) -> int:
@@ -89,32 +86,29 @@ class ChatRender:
         """`after_turn`'s text (to check a template can show such messages at all)."""
         return self.tokenizer.decode(self.after_turn(messages, ended_with_eos), skip_special_tokens=False)
 
-    def _frame(self, tools, template_kwargs) -> tuple[str, str, str]:
-        """(a stand-in exchange as the template renders it, what closes its assistant turn, that close
-        after a turn the model ended with EOS)."""
-        return self._frames(json.dumps([tools, template_kwargs], sort_keys=True, default=str))
-
-    def _frame_of(self, key: str) -> tuple[str, str, str]:
-        tools, template_kwargs = json.loads(key)
-        before = self._render(_turn(), tools, False, template_kwargs)
-        close = before[before.rindex(_ASSISTANT) + len(_ASSISTANT):]
-        eos = self.tokenizer.eos_token or ""
-        return before, close, close.removeprefix(eos) if eos else close
-
     @functools.cached_property
     def _control_tokens(self) -> tuple[str, ...]:
         special = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
         return tuple(sorted(special | set(self.tokenizer.all_special_tokens)))
 
     def _check_plain(self, messages: list[dict], tools, template_kwargs: dict) -> None:
-        """What the template writes as its own text besides the contents must not hold a control token."""
-        text = json.dumps([tools, template_kwargs, [{k: v for k, v in m.items() if k != "content"} for m in messages]],
-                          ensure_ascii=False, default=str)
+        """What the template writes as its own text besides the contents (the tools, tool calls with their
+        arguments as it reads them, a message's other fields) must not hold a control token."""
+        fields = [{k: v for k, v in m.items() if k != "content"} for m in _template_ready(messages)]
+        text = json.dumps([tools, template_kwargs, fields], ensure_ascii=False, default=str)
         for token in self._control_tokens:
             if token in text:
                 raise ValueError(f"the model's control token {token!r} is in the tools, a tool call or a message's fields "
                                  "other than its content, which the template writes as its own text; expected plain "
                                  "text there")
+
+    def _check_contents_plain(self, contents: list[str]) -> None:
+        """Contents this template changes as it shows them are tokenized with its text: none may hold a control token."""
+        for token in self._control_tokens:
+            if any(token in content for content in contents):
+                raise ValueError(f"a message's content holds the model's control token {token!r}, and this chat template "
+                                 "changes contents as it shows them, so it cannot be kept plain text; expected contents "
+                                 "without it")
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool, template_kwargs: dict) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
@@ -127,6 +121,26 @@ class ChatRender:
 
     def _template_text_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False))
+
+
+def _template_variables(tokenizer: Any) -> frozenset[str]:
+    """The chat template's variables a request may set (Qwen3's enable_thinking, say): the names it reads
+    that neither the rendering, Jinja nor the tokenizer's special tokens provide. Nothing else may be
+    passed to the template (`chat_template` itself, `tokenize`, ...)."""
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    source = tokenizer.chat_template
+    names: set[str] = set()
+    for text in source.values() if isinstance(source, dict) else [source]:
+        try:  # transformers' own environment, with its extensions and globals
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            env = _compile_jinja_template(text).environment
+        except ImportError:
+            env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        names |= meta.find_undeclared_variables(env.parse(text)) - set(env.globals)
+    return frozenset(names - _RENDER_SETS - set(tokenizer.special_tokens_map))
 
 
 def _turn() -> list[dict]:
@@ -149,8 +163,8 @@ def _arguments(function: dict) -> Any:
     args = function.get("arguments")
     if isinstance(args, str):
         try:
-            return json.loads(args)
-        except ValueError:
+            return json_nesting.loads(args, ARGUMENTS_DEPTH)
+        except ValueError:  # not JSON, or nested too deeply to write again: shown as text
             return args
     return args
 

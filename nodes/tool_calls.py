@@ -20,6 +20,7 @@ from typing import Any
 
 import jsonschema
 
+from nodes import json_nesting
 from nodes.chat_render import ChatRender
 from siirl_dag.registry import Tool
 
@@ -82,21 +83,9 @@ def _parse_one(body: str) -> Call:
         return Call(None, None, f"the tool call cannot be read: {_cut(str(exc), 200)}")
     if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(args, dict)):
         return Call(None, None, 'expected {"name": "<tool>", "arguments": {...}}')
-    if _depth(args) > MAX_DEPTH:
+    if json_nesting.depth(args, MAX_DEPTH) > MAX_DEPTH:
         return Call(None, None, f"the tool call is nested deeper than {MAX_DEPTH} levels")
     return Call(call["name"], args)
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion (stops counting past MAX_DEPTH)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth <= MAX_DEPTH:
-                stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
-    return deepest
 
 
 def _cut(text: str, limit: int = MAX_ANSWER) -> str:

@@ -40,9 +40,13 @@ def redirect(path: str | Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    # a warning logged here carries its level and time (Python's default prints the message alone), so
-    # that `warnings_in` counts it and a reader can place it
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def log_format() -> None:
+    """Warnings logged in this process carry their level, logger and time (Python's default prints the
+    message alone), so that `warnings_in` counts them and a reader can place them; once per process."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ module and nothing imports back here: looking a kind up by name is `siirl_dag.ki
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from siirl_dag.strategies.megatron.spec import SPEC as MEGATRON
 from siirl_dag.strategies.spec import StrategySpec
@@ -50,7 +50,7 @@ class NodeKind:
     # keys it reads when an upstream node holds them, and does without otherwise (an agent's own rewards)
     reads_if_held: tuple[str, ...] = ()
     # what its params make it do in the pipeline, in a line, for `plan` and `visualize`: describe(params, pipeline) -> str
-    describe: Callable[[dict], str] | None = None
+    describe: Callable[[dict, Any], str] | None = None
     # metrics of its own that the console's line of each step shows beside the trainer's (lost episodes, say)
     shown: tuple[str, ...] = ()
 

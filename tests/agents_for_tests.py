@@ -129,6 +129,8 @@ async def probes_the_endpoint(client, sample: dict):
                      *good["messages"], {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
                                          "function": {"name": "f", "arguments": "[" * 100_000}}]},
                      {"role": "tool", "tool_call_id": "c", "content": "1"}]}))[0],
+                 "deep_body": (await status(f"{base}/chat/completions", content=json.dumps(
+                     {**good, "metadata": json.loads("[" * 150 + "]" * 150)}).encode()))[0],
                  "not_a_number": (await status(f"{base}/chat/completions", content=b'{"model": "policy", "max_tokens": NaN}'))[0],
                  "lone_surrogate": "lone UTF-16 surrogate" in (await status(f"{base}/chat/completions", content=json.dumps(
                      {**good, "messages": [{"role": "user", "content": "\ud800"}]}).encode()))[1]["message"],

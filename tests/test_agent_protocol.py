@@ -380,7 +380,7 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
 
 
 def test_agent_processes_auto_is_one_beside_a_cpu_engine_and_four_beside_a_gpus(tiny_model_dir):
-    from nodes.agents.rollout import agent_processes, concurrency_shares
+    from nodes.agents.rollout import agent_processes, concurrency_shares, spread
     from siirl_dag.config import load_pipeline
 
     pipeline = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}"])
@@ -388,6 +388,8 @@ def test_agent_processes_auto_is_one_beside_a_cpu_engine_and_four_beside_a_gpus(
     assert asked == "auto" and (agent_processes(asked, "cpu", 64), agent_processes(asked, "cuda", 64)) == (1, 4)
     assert agent_processes(asked, "cuda", 2) == 2  # no more processes than episodes in flight
     assert concurrency_shares(6, 4) == [2, 2, 1, 1] and concurrency_shares(64, 1) == [64]
+    assert spread(12, [2, 2, 1, 1]) == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 10], [5, 11]]  # two rounds each
+    assert spread(8, [4, 4]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert "128 episodes at once, up to 2 turns" in pipeline.does("agent")  # in one process (not said)
     gpu = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", "cluster.device=cuda"])
     assert "128 episodes at once in 4 processes" in gpu.does("agent")
@@ -440,6 +442,8 @@ def test_a_turn_the_engine_refuses_fails_that_call_not_the_rollout():
     import threading
     from multiprocessing.connection import Connection
 
+    from vllm.exceptions import VLLMValidationError
+
     from nodes.agents import engine_link
 
     class Engine:  # each turn added finishes at the next step; a context of [999] is refused as vLLM does
@@ -452,7 +456,7 @@ def test_a_turn_the_engine_refuses_fails_that_call_not_the_rollout():
 
         def add(self, key, context, *rest):
             if context == [999]:
-                raise ValueError("Token id 999 is out of vocabulary")
+                raise VLLMValidationError("Token id 999 is out of vocabulary")
             self.pending.append(key)
 
         def step(self):
@@ -480,7 +484,7 @@ def test_a_turn_the_engine_refuses_fails_that_call_not_the_rollout():
     link.close()
     assert found == (["their results"], 1)
     refused, done = sorted(heard, key=lambda m: m[0], reverse=True)
-    assert refused == ("refused", 0, "ValueError: Token id 999 is out of vocabulary")
+    assert refused == ("refused", 0, "VLLMValidationError: Token id 999 is out of vocabulary")
     assert done[:2] == ("done", 1) and done[2].token_ids == [7]
 
 
@@ -509,3 +513,41 @@ def test_control_tokens_are_refused_where_the_template_writes_them_as_its_own(to
                       "tool_calls": [{"id": "c", "type": "function", "function": {"name": f"f{eos}", "arguments": "{}"}}]}]
     with pytest.raises(ValueError, match="control token"):
         render.prompt(called)
+
+
+# a template as Qwen3's behaves where it matters here: tools and tool calls written with tojson (keys in
+# their order), an empty think block on the last assistant turn after the last user message only
+QWEN3_LIKE = (
+    "{%- if tools %}{{ 'system: tools ' }}{% for t in tools %}{{ t | tojson }}{% endfor %}{{ eos_token + '\\n' }}{% endif %}"
+    "{%- set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- for m in messages %}{% if m.role == 'assistant' %}{{ 'assistant: ' }}"
+    "{% if loop.index0 > ns.last and loop.last %}{{ '<think></think>' }}{% endif %}{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{{ '<tool_call>' + (c.function | tojson) + '</tool_call>' }}{% endfor %}"
+    "{{ eos_token + '\\n' }}{% else %}{{ m.role + ': ' + m.content + eos_token + '\\n' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def test_a_turn_continues_as_a_qwen3_like_template_writes_it_with_tools(tokenizer):
+    """After a turn the model ended with EOS, the tool's answer and the next prompt are what the template
+    writes once more messages follow, though it writes the turn itself differently while it is the last
+    (its think block); tools keep their keys' order. Control tokens are refused where the template writes
+    them as its own text, an escaped one in a tool call's arguments too."""
+    import copy
+
+    qwen = copy.copy(tokenizer)
+    qwen.chat_template = QWEN3_LIKE
+    render, eos = ChatRender(qwen), qwen.eos_token
+    tools = [{"type": "function", "function": {"name": "add", "description": "adds", "parameters": {"type": "object"}}}]
+    asked = [{"role": "user", "content": "Q: 1+1=?"}]
+    turn = qwen.encode("let me add", add_special_tokens=False) + [qwen.eos_token_id]
+    answer = [{"role": "tool", "tool_call_id": "c", "content": "2"}]
+    ids = render.prompt(asked, tools) + turn + render.after_turn(answer, True, tools)
+    whole = qwen.apply_chat_template([*asked, {"role": "assistant", "content": "let me add"}, *answer], tools=tools,
+                                     add_generation_prompt=True, tokenize=False)
+    assert qwen.decode(ids) == whole and '{"type": "function", "function": {"name": "add"' in whole
+    escaped = json.dumps({"x": eos}).replace("<", "\\u003c")
+    called = [*asked, {"role": "assistant", "content": None,
+                       "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": escaped}}]}]
+    with pytest.raises(ValueError, match="control token"):
+        render.prompt([*called, *answer], tools)

@@ -83,6 +83,7 @@ def serve(links: list[RankEnd], turns: Turns, deadline: float, tell: Callable[[l
     `tell`: hands each round's adds and aborts to the engine's other tensor-parallel ranks (`follow`), which
     must be given the same turns in the same order, and step when this one does."""
     conns, results, live, peak = [link.conn for link in links], [None] * len(links), set(), 0
+    refusals = _refusals()
     try:
         while time.monotonic() < deadline:
             wait, commands = 0 if turns.busy else 0.05, []  # idle: wait for the agents; generating: take what is there
@@ -98,7 +99,9 @@ def serve(links: list[RankEnd], turns: Turns, deadline: float, tell: Callable[[l
                         message = (message[0], (i, message[1]), *message[2:])  # its key on the engine
                         try:
                             changed = _apply(turns, live, message)
-                        except (ValueError, TypeError) as exc:  # refused by the engine's checks: that call fails
+                        except refusals as exc:  # the engine's request checks refused an add: that call fails
+                            if message[0] != "add":
+                                raise
                             links[i].send(("refused", message[1][1], f"{type(exc).__name__}: {exc}"))
                             continue
                         if changed:
@@ -119,6 +122,15 @@ def serve(links: list[RankEnd], turns: Turns, deadline: float, tell: Callable[[l
     finally:
         for key in live:
             turns.abort(key)
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What an engine raises for a request it will not take: vLLM's client errors (ValueError in older vLLMs)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 def follow(turns: Turns, hear: Callable[[], list | None]) -> None:

@@ -13,7 +13,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodes.chat_render import ChatRender
+from nodes import json_nesting
+from nodes.chat_render import ARGUMENTS_DEPTH, ChatRender
 
 
 class TooLong(ValueError):
@@ -172,7 +173,7 @@ def _json_value(arguments: Any) -> Any:
 
     if isinstance(arguments, str):
         try:
-            return json.dumps(json.loads(arguments), sort_keys=True)
-        except ValueError:
+            return json.dumps(json_nesting.loads(arguments, ARGUMENTS_DEPTH), sort_keys=True)
+        except ValueError:  # not JSON, or nested too deeply to walk: compared as text
             return arguments
     return json.dumps(arguments, sort_keys=True)

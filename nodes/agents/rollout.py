@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 SHOWN_ERRORS = 3  # lost episodes logged in full per rollout
 GRACE_S = 30  # beyond the episodes' timeouts, before the agents' process is stopped
 # agent_processes: auto, by the engine's device. On a CPU the engine's threads take the rank's cores; on a
-# GPU the engine waits on the agents' Python instead (on an H200, agents busy 20 ms a call took a rollout
-# 4.12 s in one process, 2.20 s in two), and a GPU machine has the cores to spread them over.
+# GPU the engine waits on the agents' Python instead (docs/BENCHMARKS.md: busy agents in one process and in
+# two, on an H200), and a GPU machine has the cores to spread them over.
 AUTO_PROCESSES = {"cpu": 1, "cuda": 4}
 
 
@@ -92,6 +92,16 @@ def concurrency_shares(concurrency: int, processes: int) -> list[int]:
     return [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
 
 
+def spread(episodes: int, shares: list[int]) -> list[list[int]]:
+    """The episodes each process runs, in proportion to its share of `concurrency` (so that all run as many
+    rounds): episode k to the process that holds place k % concurrency of the shares laid end to end."""
+    places = [i for i, share in enumerate(shares) for _ in range(share)]
+    out: list[list[int]] = [[] for _ in shares]
+    for k in range(episodes):
+        out[places[k % len(places)]].append(k)
+    return out
+
+
 def run(ctx: Any, samples: list[dict], n: int) -> Finished:
     """`n` episodes per sample (adjacent), to their ends. A tensor-parallel engine's first rank runs the
     agents and tells its other ranks which turns to add and when to step (they must do as it does);
@@ -114,8 +124,8 @@ def run(ctx: Any, samples: list[dict], n: int) -> Finished:
 
 
 def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finished:
-    """The agents' processes (started, or kept from the last rollout) run the episodes, spread round robin
-    with `concurrency` shared among them; this thread serves their turns."""
+    """The agents' processes (started, or kept from the last rollout) run the episodes, `concurrency` shared
+    among them and the episodes in proportion (`spread`); this thread serves their turns."""
     engine, p, data = ctx.engine, ctx.node.params, ctx.data
     node, count = (ctx.node.id, engine.model_path), agent_processes(p["agent_processes"], engine.ctx.device, p["concurrency"])
     kept = [process for process in _PROCESSES.get(node, []) if process.proc.poll() is None]
@@ -126,10 +136,12 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
                     p["max_tokens_per_turn"] or data.max_response_length)
     episodes = len(samples) * n
     shares = concurrency_shares(p["concurrency"], count)
-    for i, process in enumerate(processes):
-        process.link.send(("rollout", RolloutSpec({**p, "concurrency": shares[i]}, samples, n,
-                                                  list(range(i, episodes, count)), limits, ctx.node.model, ctx.seed)))
-    deadline = time.monotonic() + math.ceil(math.ceil(episodes / count) / min(shares)) * p["timeout_s"] + GRACE_S
+    spread_out = spread(episodes, shares)
+    for process, share, own in zip(processes, shares, spread_out):
+        process.link.send(("rollout", RolloutSpec({**p, "concurrency": share}, samples, n, own, limits, ctx.node.model,
+                                                  ctx.seed)))
+    rounds = max(math.ceil(len(own) / share) for own, share in zip(spread_out, shares))
+    deadline = time.monotonic() + rounds * p["timeout_s"] + GRACE_S
     why = ""
     try:
         found = engine_link.serve([process.link for process in processes], turns, deadline, tell)

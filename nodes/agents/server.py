@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import httpx
 from aiohttp import web
 
+from nodes import json_nesting
 from nodes.agents import messages_api, openai_api, responses_api
 from nodes.agents.openai_api import ApiError
 from nodes.agents.service import Service
@@ -35,6 +36,7 @@ ROUTE = re.compile(r"(?:/episodes/(?P<episode>[^/]+))?/v1/(?:models/(?P<model>.+
 METHODS = {"models": "GET", "chat/completions": "POST", "completions": "POST", "responses": "POST", "messages": "POST",
            "messages/count_tokens": "POST"}
 OTHER_APIS = {"responses": responses_api, "messages": messages_api}  # a chat turn in another API's shapes
+MAX_DEPTH = 100  # nesting of a request's JSON (a tool's schema inside a message inside the body: a few levels)
 
 
 @dataclass
@@ -104,10 +106,11 @@ class Endpoint:
             if len(body) > self.max_bytes:
                 raise _too_large(len(body), self.max_bytes)
             try:
-                parsed = json.loads(body, parse_constant=_not_json)
-            except ValueError as exc:
-                raise ApiError(400, f"the request body is not JSON ({exc})") from None
-            if b"\\u" in body.lower() and not _unicode(parsed):  # only escapes can make a lone surrogate
+                text = body.decode()  # JSON between machines is UTF-8 (RFC 8259)
+                parsed = json_nesting.loads(text, MAX_DEPTH)
+            except ValueError as exc:  # UnicodeDecodeError too
+                raise ApiError(400, f"the request body cannot be read as JSON in UTF-8 ({exc})") from None
+            if ("\\u" in text or "\\U" in text) and not _unicode(parsed):  # only escapes make a lone surrogate
                 raise ApiError(400, "the request holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff without its "
                                     "pair); expected valid Unicode text")
             if call == "messages/count_tokens":
@@ -121,8 +124,6 @@ class Endpoint:
             chat = call == "chat/completions"
             req = openai_api.read(parsed, self.service.model, chat)
             answer = await (self.service.chat if chat else self.service.complete)(episode, req)
-        except RecursionError:  # JSON nested deeper than Python reads it: the body, or a tool call's arguments
-            return _too_deep(anthropic)
         except ApiError as exc:
             return Reply(exc.status, messages_api.error_body(exc) if anthropic else exc.body())
         return Reply(200, answer, openai_api.stream_chunks(answer, req.include_usage) if req.stream else None)
@@ -132,7 +133,7 @@ class Endpoint:
         if asked is not None and asked != served:  # the path as received is decoded already
             raise ApiError(404, f"the model '{asked}' does not exist here; this endpoint serves '{served}'",
                            "model_not_found")
-        return (messages_api if anthropic else openai_api).models(served, asked and served)
+        return (messages_api if anthropic else openai_api).models(served, asked)
 
     async def _http(self, request: web.Request) -> web.Response:
         try:
@@ -141,8 +142,8 @@ class Endpoint:
             reply = Reply(exc.status, exc.body())
         else:
             reply = await self.reply(request.method, request.path, request.headers, body)
-        status, payload, kind = _sent(reply)
-        return web.Response(body=payload, status=status, content_type=kind)
+        payload, kind = reply.payload()
+        return web.Response(body=payload, status=reply.status, content_type=kind)
 
     def _episode(self, headers: Mapping[str, str], index: str | None):
         header = headers.get("Authorization", "")
@@ -158,8 +159,8 @@ class _InProcess(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
         reply = await self.endpoint.reply(request.method, request.url.path, request.headers, body)
-        status, payload, kind = _sent(reply)
-        return httpx.Response(status, headers={"content-type": kind}, content=payload, request=request)
+        payload, kind = reply.payload()
+        return httpx.Response(reply.status, headers={"content-type": kind}, content=payload, request=request)
 
 
 def _unicode(parsed: Any) -> bool:
@@ -169,25 +170,6 @@ def _unicode(parsed: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _not_json(constant: str) -> None:
-    raise ValueError(f"{constant} is not a JSON number")
-
-
-def _too_deep(anthropic: bool) -> Reply:
-    exc = ApiError(400, "the request nests arrays or objects too deeply to be read; expected a request as the API "
-                        "describes it")
-    return Reply(exc.status, messages_api.error_body(exc) if anthropic else exc.body())
-
-
-def _sent(reply: Reply) -> tuple[int, bytes, str]:
-    """The reply as sent: its status, bytes and content type (a Response that echoes a request's tools nested
-    too deeply to be written: that request's 400)."""
-    try:
-        return reply.status, *reply.payload()
-    except RecursionError:
-        return _sent(_too_deep(False))
 
 
 async def _body(request: web.Request, limit: int) -> bytes:

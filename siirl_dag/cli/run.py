@@ -56,6 +56,7 @@ def main(args) -> int:
 
             tqdm.write(" ".join(map(str, parts)), file=console.terminal())  # above the training bar, not appended to it
 
+        console.log_format()
         trainer = Trainer(pipe, address=args.address, progress=say)
         if trainer.resume.path and trainer.step >= trainer.total_steps:
             say(_finished(args, pipe, trainer))

@@ -147,8 +147,8 @@ def _problems_from(error: ValidationError, base: tuple, besides: str = "") -> It
         refused = sorted({e.relative_schema_path[0] for e in error.context
                           if e.validator == "type" and len(e.relative_schema_path) == 2})
         besides = "".join(f", or {words}" for i in refused if (words := _branch_words(error.validator_value[i])))
-        for sub in _fitting_branch(error):
-            yield from _problems_from(sub, base, besides)
+        for sub in _fitting_branch(error):  # the others' types belong to this value, not to one inside it
+            yield from _problems_from(sub, base, besides if not sub.relative_path else "")
         return
     if kw == "additionalProperties" and isinstance(inst, dict):
         known = list(schema.get("properties", {}))

@@ -66,6 +66,7 @@ class RankWorker(SyncRank):
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self.own_process = own_process
         self.log_file = None
+        console.log_format()
         if log_dir:
             self.log_file = os.path.join(log_dir, "driver.log")
             if not console.quieted():

@@ -62,7 +62,11 @@ class ChatRender:
         pieces = _cut(self._after_turn_text(masked, tools, template_kwargs), contents)
         if pieces is None:
             self._check_contents_plain(contents)
-            pieces = [(self._after_turn_text(_template_ready(messages), tools, template_kwargs), False)]
+            text = self._after_turn_text(_template_ready(messages), tools, template_kwargs)
+            if _TAG in text:
+                raise ValueError("the chat template writes the turn's content again after it; expected a template "
+                                 "that writes each message once")
+            pieces = [(text, False)]
         eos = self.tokenizer.eos_token or ""
         if ended_with_eos and eos:  # the model wrote the close's EOS itself
             pieces[0] = (pieces[0][0].removeprefix(eos), False)
@@ -75,6 +79,10 @@ class ChatRender:
         if at == -1:
             raise ValueError("the chat template does not show an assistant turn's content as it is; expected a "
                              "template that writes it unchanged")
+        if _TAG in rendered[:at].replace(_USER, ""):  # a new message's content before the turn it follows
+            raise ValueError("the chat template writes a message that follows a turn before that turn (a system "
+                             "message moved to the top, say), so the conversation cannot go on from the model's own "
+                             "tokens; expected such a message first, or none")
         return rendered[at + len(_ASSISTANT):]
 
     @functools.cached_property
@@ -183,7 +191,7 @@ def _stand_ins(messages: list[dict]) -> tuple[list[dict], list[str]]:
 
 def _cut(rendered: str, contents: list[str]) -> list[tuple[str, bool]] | None:
     """(text, is a message's content) pieces, the stand-ins replaced by their contents; None when the
-    template did not show some content as it is."""
+    template did not show each content once, as it is."""
     pieces, at = [], 0
     for i, content in enumerate(contents):
         stand_in = _CONTENT.format(i)
@@ -192,4 +200,5 @@ def _cut(rendered: str, contents: list[str]) -> list[tuple[str, bool]] | None:
             return None
         pieces += [(rendered[at:found], False), (content, True)]
         at = found + len(stand_in)
-    return pieces + [(rendered[at:], False)]
+    pieces.append((rendered[at:], False))
+    return None if any(_TAG in text for text, content in pieces if not content) else pieces

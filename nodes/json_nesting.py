@@ -4,6 +4,7 @@ before anything recurses over it (json.dumps, a template's tojson), which Python
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -22,7 +23,7 @@ def depth(value: Any, limit: int) -> int:
 def loads(text: str, limit: int) -> Any:
     """`text` parsed; ValueError if it is not JSON (NaN and Infinity are not) or nests deeper than `limit`."""
     try:
-        value = json.loads(text, parse_constant=_not_json)
+        value = json.loads(text, **STRICT)
     except RecursionError:
         raise ValueError(f"nested deeper than {limit} levels") from None
     if depth(value, limit) > limit:
@@ -32,3 +33,13 @@ def loads(text: str, limit: int) -> Any:
 
 def _not_json(constant: str) -> None:
     raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+STRICT = {"parse_constant": _not_json, "parse_float": _finite}  # json.loads' options: finite numbers only

@@ -72,9 +72,9 @@ def _parse_one(body: str) -> Call:
     if len(body) > MAX_CALL_CHARS:
         return Call(None, None, f"the tool call has {len(body)} characters; at most {MAX_CALL_CHARS} are read")
     try:
-        call = json.loads(body)
+        call = json.loads(body, **json_nesting.STRICT)  # NaN and Infinity would be answered as invalid JSON
         args = call.get("arguments", {}) if isinstance(call, dict) else None
-        args = json.loads(args) if isinstance(args, str) else args
+        args = json.loads(args, **json_nesting.STRICT) if isinstance(args, str) else args
     except json.JSONDecodeError as exc:
         return Call(None, None, f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
     except RecursionError:

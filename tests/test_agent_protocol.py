@@ -68,6 +68,8 @@ def test_a_request_is_read_into_what_the_turn_needs():
     assert read({"messages": USER, "max_completion_tokens": None, "max_tokens": 3}).max_tokens == 3
     with pytest.raises(ApiError):
         read({"prompt": "x", "echo": True}, chat=False)
+    with pytest.raises(ApiError):  # booleans are not token ids
+        read({"prompt": [True, False]}, chat=False)
 
 
 def test_tool_calls_come_back_in_openai_shape_and_malformed_ones_stay_text():
@@ -551,3 +553,36 @@ def test_a_turn_continues_as_a_qwen3_like_template_writes_it_with_tools(tokenize
                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": escaped}}]}]
     with pytest.raises(ValueError, match="control token"):
         render.prompt([*called, *answer], tools)
+
+
+def test_templates_that_move_or_repeat_messages_are_refused_not_silently_changed(tokenizer):
+    """A template that writes a new system message at the top (before the turn it follows) cannot go on from
+    the model's tokens, and one that writes the turn's content again would show the model a stand-in: both
+    refused; a first prompt whose template repeats a content is rendered whole instead."""
+    import copy
+
+    def render_with(template):
+        changed = copy.copy(tokenizer)
+        changed.chat_template = template
+        return ChatRender(changed)
+
+    turn = "{% for m in messages if m.role != 'system' %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+    hoisting = render_with("{% for m in messages if m.role == 'system' %}{{ 'system: ' + m.content + '\\n' }}{% endfor %}"
+                           + turn + "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(ValueError, match="before that turn"):
+        hoisting.after_turn([{"role": "system", "content": "new rules"}, *USER], False)
+    assert hoisting.text_after_turn(USER) == "\nuser: Q: 1+1=? A:\nassistant: "  # without a system message: fine
+    echoing = render_with(turn + "{% if messages|length > 1 %}{{ 'again: ' + messages[-2].content + '\\n' }}{% endif %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(ValueError, match="again after it"):
+        echoing.after_turn([{"role": "tool", "content": "2"}], False)
+    two = [*USER, {"role": "user", "content": "and?"}]
+    assert tokenizer.decode(echoing.prompt(two)) == "user: Q: 1+1=? A:\nuser: and?\nagain: Q: 1+1=? A:\nassistant: "
+
+
+def test_a_tool_call_with_nan_or_infinity_stays_text():
+    from nodes.tool_calls import call_spans
+
+    for arguments in ('{"a": NaN}', '{"a": 1e999}', '{"a": -Infinity}'):
+        (_, _, call), = call_spans(f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>')
+        assert call.error is not None and call.name is None

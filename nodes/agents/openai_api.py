@@ -134,7 +134,8 @@ def _completion_fields(body: dict, req: Request) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, list) and not (prompt and all(isinstance(t, int) and t >= 0 for t in prompt)):
+    if isinstance(prompt, list) and not (prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                        for t in prompt)):
         raise ApiError(400, "expected prompt: a string or a list of token ids (one prompt per call)", param="prompt")
     if not isinstance(prompt, (str, list)) or not prompt:
         raise ApiError(400, "expected prompt: a non-empty string or a list of token ids (one prompt per call)",

@@ -133,9 +133,9 @@ class ChatRender:
 
 def _template_variables(tokenizer: Any) -> frozenset[str]:
     """The chat template's variables a request may set (Qwen3's enable_thinking, say): the names it reads
-    that neither the rendering, Jinja nor the tokenizer's special tokens provide. Nothing else may be
-    passed to the template (`chat_template` itself, `tokenize`, ...)."""
-    from jinja2 import meta
+    that neither the rendering, Jinja, the tokenizer's special tokens nor the template itself (`set`, a
+    loop's variable) provide. Nothing else may be passed to the template (`chat_template` itself, `tokenize`, ...)."""
+    from jinja2 import meta, nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     source = tokenizer.chat_template
@@ -147,7 +147,9 @@ def _template_variables(tokenizer: Any) -> frozenset[str]:
             env = _compile_jinja_template(text).environment
         except ImportError:
             env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
-        names |= meta.find_undeclared_variables(env.parse(text)) - set(env.globals)
+        tree = env.parse(text)
+        own = {name.name for name in tree.find_all(nodes.Name) if name.ctx in ("store", "param")}
+        names |= meta.find_undeclared_variables(tree) - set(env.globals) - own
     return frozenset(names - _RENDER_SETS - set(tokenizer.special_tokens_map))
 
 

@@ -496,7 +496,8 @@ def test_a_request_may_set_only_the_chat_templates_own_variables(tokenizer):
     import copy
 
     thinking = copy.copy(tokenizer)
-    thinking.chat_template = ("{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}"
+    thinking.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' %}{% set content = m['content'] %}"
+                              "{% else %}{% set content = m['content'] | trim %}{% endif %}{{ content }}{% break %}{% endfor %}"
                               "{% if add_generation_prompt %}{% if enable_thinking is false %}<nothink>{% endif %}{% endif %}"
                               "{{ eos_token }}")
     assert ChatRender(thinking).template_variables == {"enable_thinking"}

@@ -5,11 +5,12 @@ messages: the text the template writes after an assistant turn's content (its cl
 messages, the generation prompt), cut from a rendering of them after a stand-in turn. The tokens of
 earlier turns stay what they were, so the model's own tokens are never re-tokenized (a round trip
 through text can merge or split them differently), and what a template would write differently in
-them once more messages follow (Qwen3 drops an earlier turn's thinking) is left as the model saw it. Message contents are tokenized with their special tokens split
-into plain text, so text from a tool, an environment or an agent that holds the template's control
-tokens (`<|im_end|>`) cannot end a turn or fake a role; the template's own text keeps its special tokens,
-so what else a conversation puts in it (its tools, tool calls' names and arguments) may hold none of them
-(ValueError). The stand-ins cut out of a rendering carry a random tag, which no request can hold.
+them once more messages follow (Qwen3 drops an earlier turn's thinking) is left as the model saw it.
+Message contents are tokenized with their special tokens split into plain text, so text from a tool,
+an environment or an agent that holds the template's control tokens (`<|im_end|>`) cannot end a turn
+or fake a role; the template's own text keeps its special tokens, so what else a conversation puts in
+it (its tools, tool calls' names and arguments) may hold none of them (ValueError). The stand-ins cut
+out of a rendering carry a random tag, which no request can hold.
 """
 
 from __future__ import annotations
@@ -44,25 +45,27 @@ class ChatRender:
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
         """The whole conversation and the generation prompt."""
-        self._check_plain(messages, tools, template_kwargs)
-        masked, contents = _stand_ins(messages)
+        ready = _template_ready(messages)
+        self._check_plain(ready, tools, template_kwargs)
+        masked, contents = _stand_ins(ready)
         rendered = self._render(masked, tools, True, template_kwargs)
         pieces = _cut(rendered, contents)
         if pieces is None:  # the template changed a content: the whole text, tokenized as vLLM's server does
             self._check_contents_plain(contents)
-            return self._encode([(self._render(_template_ready(messages), tools, True, template_kwargs), False)])
+            return self._encode([(self._render(ready, tools, True, template_kwargs), False)])
         return self._encode(pieces)
 
     def after_turn(self, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None,
                    **template_kwargs: Any) -> list[int]:
         """What follows an assistant turn: the template's close of the turn (less the EOS the model
         sampled, when it ended with one), the new `messages`, and the generation prompt."""
-        self._check_plain(messages, tools, template_kwargs)
-        masked, contents = _stand_ins(messages)
+        ready = _template_ready(messages)
+        self._check_plain(ready, tools, template_kwargs)
+        masked, contents = _stand_ins(ready)
         pieces = _cut(self._after_turn_text(masked, tools, template_kwargs), contents)
         if pieces is None:
             self._check_contents_plain(contents)
-            text = self._after_turn_text(_template_ready(messages), tools, template_kwargs)
+            text = self._after_turn_text(ready, tools, template_kwargs)
             if _TAG in text:
                 raise ValueError("the chat template writes the turn's content again after it; expected a template "
                                  "that writes each message once")
@@ -99,24 +102,26 @@ class ChatRender:
         special = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
         return tuple(sorted(special | set(self.tokenizer.all_special_tokens)))
 
-    def _check_plain(self, messages: list[dict], tools, template_kwargs: dict) -> None:
+    def _check_plain(self, ready: list[dict], tools, template_kwargs: dict) -> None:
         """What the template writes as its own text besides the contents (the tools, tool calls with their
-        arguments as it reads them, a message's other fields) must not hold a control token."""
-        fields = [{k: v for k, v in m.items() if k != "content"} for m in _template_ready(messages)]
-        text = json.dumps([tools, template_kwargs, fields], ensure_ascii=False, default=str)
-        for token in self._control_tokens:
-            if token in text:
-                raise ValueError(f"the model's control token {token!r} is in the tools, a tool call or a message's fields "
-                                 "other than its content, which the template writes as its own text; expected plain "
-                                 "text there")
+        arguments as it reads them: `ready`, a message's other fields) must not hold a control token."""
+        fields = [{k: v for k, v in m.items() if k != "content"} for m in ready]
+        token = self._control_token_in([json.dumps([tools, template_kwargs, fields], ensure_ascii=False, default=str)])
+        if token:
+            raise ValueError(f"the model's control token {token!r} is in the tools, a tool call or a message's fields "
+                             "other than its content, which the template writes as its own text; expected plain "
+                             "text there")
 
     def _check_contents_plain(self, contents: list[str]) -> None:
         """Contents this template changes as it shows them are tokenized with its text: none may hold a control token."""
-        for token in self._control_tokens:
-            if any(token in content for content in contents):
-                raise ValueError(f"a message's content holds the model's control token {token!r}, and this chat template "
-                                 "changes contents as it shows them, so it cannot be kept plain text; expected contents "
-                                 "without it")
+        token = self._control_token_in(contents)
+        if token:
+            raise ValueError(f"a message's content holds the model's control token {token!r}, and this chat template "
+                             "changes contents as it shows them, so it cannot be kept plain text; expected contents "
+                             "without it")
+
+    def _control_token_in(self, texts: list[str]) -> str | None:
+        return next((token for token in self._control_tokens if any(token in text for text in texts)), None)
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool, template_kwargs: dict) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
@@ -138,15 +143,15 @@ def _template_variables(tokenizer: Any) -> frozenset[str]:
     from jinja2 import meta, nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    try:  # transformers' own environment, with its extensions and globals
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        _compile_jinja_template = None
     source = tokenizer.chat_template
     names: set[str] = set()
     for text in source.values() if isinstance(source, dict) else [source]:
-        try:  # transformers' own environment, with its extensions and globals
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            env = _compile_jinja_template(text).environment
-        except ImportError:
-            env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        env = _compile_jinja_template(text).environment if _compile_jinja_template else \
+            ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
         tree = env.parse(text)
         own = {name.name for name in tree.find_all(nodes.Name) if name.ctx in ("store", "param")}
         names |= meta.find_undeclared_variables(tree) - set(env.globals) - own
@@ -179,10 +184,10 @@ def _arguments(function: dict) -> Any:
     return args
 
 
-def _stand_ins(messages: list[dict]) -> tuple[list[dict], list[str]]:
-    """The messages with each text content replaced by a stand-in; the contents, in order."""
+def _stand_ins(ready: list[dict]) -> tuple[list[dict], list[str]]:
+    """Template-ready messages with each text content replaced by a stand-in; the contents, in order."""
     masked, contents = [], []
-    for m in _template_ready(messages):
+    for m in ready:
         m = copy.copy(m)
         if isinstance(m.get("content"), str) and m["content"]:
             contents.append(m["content"])

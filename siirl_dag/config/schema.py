@@ -101,20 +101,25 @@ def _type_problem(inst: Any, want: str) -> str:
     return f"{inst!r} is {describe(inst)}; expected {want}"
 
 
+def _refused_for_type(error: ValidationError) -> set[int]:
+    """The branches of a oneOf/anyOf that refused the instance for its type (by index)."""
+    return {e.relative_schema_path[0] for e in error.context if e.validator == "type" and len(e.relative_schema_path) == 2}
+
+
 def _fitting_branch(error: ValidationError) -> list[ValidationError]:
     """The errors of the one oneOf/anyOf branch whose type fits the instance, so that a mapping is
     told what is wrong inside it rather than that it is not a string; best_match's pick otherwise."""
     branches: dict[int, list[ValidationError]] = {}
     for sub in error.context:
         branches.setdefault(sub.relative_schema_path[0], []).append(sub)
-    fitting = [subs for subs in branches.values()
-               if not any(e.validator == "type" and len(e.relative_schema_path) == 2 for e in subs)]
+    refused = _refused_for_type(error)
+    fitting = [subs for i, subs in branches.items() if i not in refused]
     return fitting[0] if len(fitting) == 1 else [best_match(error.context)]
 
 
 def _types_of_branches(error: ValidationError) -> list[str]:
     """The types the branches of a oneOf/anyOf take, where each refused the instance for its type; else []."""
-    refused = {e.relative_schema_path[0] for e in error.context if e.validator == "type" and len(e.relative_schema_path) == 2}
+    refused = _refused_for_type(error)
     if len(refused) < len(error.validator_value):
         return []
     types = [b["type"] for b in error.validator_value]
@@ -144,9 +149,8 @@ def _problems_from(error: ValidationError, base: tuple, besides: str = "") -> It
         if wanted:  # no branch takes a value of this type: all of them said, not best_match's one
             yield Problem(path, _type_problem(inst, " or ".join(wanted)))
             return
-        refused = sorted({e.relative_schema_path[0] for e in error.context
-                          if e.validator == "type" and len(e.relative_schema_path) == 2})
-        besides = "".join(f", or {words}" for i in refused if (words := _branch_words(error.validator_value[i])))
+        besides = "".join(f", or {words}" for i in sorted(_refused_for_type(error))
+                          if (words := _branch_words(error.validator_value[i])))
         for sub in _fitting_branch(error):  # the others' types belong to this value, not to one inside it
             yield from _problems_from(sub, base, besides if not sub.relative_path else "")
         return

@@ -21,7 +21,7 @@ import shutil
 from jinja2 import TemplateError
 
 from nodes import agent_loop
-from nodes.agents import FAILED, TIMEOUTS
+from nodes.agents import FAILED, TIMEOUTS, agent_processes
 from nodes.chat_render import ChatRender
 from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
@@ -52,8 +52,6 @@ def _describe(params, pipeline) -> str:
     what = {"agent": f"agent {params.get('agent')}, through an OpenAI-compatible endpoint",
             "agent_command": f"agent program {' '.join(params.get('agent_command') or [])}, through an OpenAI-compatible endpoint",
             "env": f"environment {params.get('env')}, in the engine's loop"}[mode]
-    from nodes.agents.rollout import agent_processes
-
     count = agent_processes(params["agent_processes"], pipeline.cluster.device, params["concurrency"])
     processes = f" in {count} processes" if count > 1 else ""
     return (f"{what}; {params['concurrency']} episodes at once{processes}, up to {params['max_turns']} turns, "

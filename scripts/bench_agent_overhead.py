@@ -64,6 +64,7 @@ def overhead(task: Path, rounds: int, threads: int, quiet: bool, agent_processes
     import torch
 
     from nodes import agent_loop
+    from nodes.agents import agent_processes as resolved
     from nodes.agents import rollout
     from nodes.tools import resolve_tool
     from siirl_dag.strategies.base import RankContext
@@ -72,7 +73,7 @@ def overhead(task: Path, rounds: int, threads: int, quiet: bool, agent_processes
 
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the engine's compute leaves the agents the CPU
-    agent_processes = rollout.agent_processes(agent_processes, device, PROMPTS * N)  # as the node resolves it
+    agent_processes = resolved(agent_processes, device, PROMPTS * N)  # as the node resolves it
     engine = VllmRollout(RankContext(rank=0, device=device), str(task / "model"), {
         "dtype": "float32", "kv_cache_gb": 1, "gpu_memory_utilization": 0.3, "enforce_eager": True, "n": N,
         "temperature": 0.7, "chat_template": True})

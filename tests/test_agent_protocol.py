@@ -382,7 +382,8 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
 
 
 def test_agent_processes_auto_is_one_beside_a_cpu_engine_and_four_beside_a_gpus(tiny_model_dir):
-    from nodes.agents.rollout import agent_processes, concurrency_shares, spread
+    from nodes.agents import agent_processes
+    from nodes.agents.rollout import concurrency_shares, spread
     from siirl_dag.config import load_pipeline
 
     pipeline = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}"])

@@ -1,5 +1,17 @@
 """The user's own agents in an agent_rollout: an OpenAI-compatible endpoint served from the rollout's
 engine (server.py, service.py, openai_api.py), token-faithful episodes (episode.py), the agents run
-per episode (runners.py), and the rollout that ties them together (rollout.py, rows.py)."""
+per episode (runners.py), and the rollout that ties them together (rollout.py, rows.py). Here: what the
+node (nodes/agent_rollout.py, read by `plan`) and its rollout share, without importing the endpoint."""
 
 FAILED, TIMEOUTS = "agent/failed", "agent/timeouts"  # episodes lost (rows.metrics): on the console's line of each step too
+
+# agent_processes: auto, by the engine's device. On a CPU the engine's threads take the rank's cores; on a
+# GPU the engine waits on the agents' Python instead (docs/BENCHMARKS.md: busy agents in one process and in
+# two, on an H200), and a GPU machine has the cores to spread them over.
+AUTO_PROCESSES = {"cpu": 1, "cuda": 4}
+
+
+def agent_processes(asked: int | str, device: str, concurrency: int) -> int:
+    """The agents' processes an engine on `device` runs its episodes in (`params.agent_processes`): never
+    more than the episodes in flight (`concurrency`), which they share (rollout.py; `plan` says it too)."""
+    return min(AUTO_PROCESSES[device] if asked == "auto" else asked, concurrency)

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nodes import templates
-from nodes.agents import engine_link
+from nodes.agents import agent_processes, engine_link
 from nodes.agents.episode import EpisodeRecord, Limits
 from nodes.agents.runners import Outcome
 from nodes.agents.worker import RolloutSpec
@@ -29,16 +29,6 @@ from nodes.agents.worker import RolloutSpec
 log = logging.getLogger(__name__)
 SHOWN_ERRORS = 3  # lost episodes logged in full per rollout
 GRACE_S = 30  # beyond the episodes' timeouts, before the agents' process is stopped
-# agent_processes: auto, by the engine's device. On a CPU the engine's threads take the rank's cores; on a
-# GPU the engine waits on the agents' Python instead (docs/BENCHMARKS.md: busy agents in one process and in
-# two, on an H200), and a GPU machine has the cores to spread them over.
-AUTO_PROCESSES = {"cpu": 1, "cuda": 4}
-
-
-def agent_processes(asked: int | str, device: str, concurrency: int) -> int:
-    """The agents' processes an engine on `device` runs its episodes in (`params.agent_processes`): never
-    more than the episodes in flight (`concurrency`), which they share."""
-    return min(AUTO_PROCESSES[device] if asked == "auto" else asked, concurrency)
 
 
 @dataclass

@@ -18,14 +18,20 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "loo
 async def random_agent(client, sample: dict):
     """1-4 turns of chat or completions calls with random follow-ups: user and tool messages, tools
     offered or not, log-probs, streamed answers, stop strings; now and then a rewritten history (a dropped
-    turn, an edited reply, a fresh conversation), which starts a new segment."""
-    import openai
-
-    rng = random.Random(sample["extra_info"]["seed"])
-    try:
-        await _random_turns(client, sample, rng)
-    except openai.BadRequestError as exc:  # a rewritten history too long for a prompt: the agent stops there
-        assert exc.code == "context_length_exceeded", exc
+    turn, an edited reply, a fresh conversation), which starts a new segment; now and then a sub-agent's
+    conversation beside the main one, its calls at the same time."""
+    seed = sample["extra_info"]["seed"]
+    rng = random.Random(seed)
+    branches = [_random_turns(client, sample, rng)]
+    if rng.random() < 0.3:
+        helper = {**sample, "prompt": f"helper: {sample['prompt']}",
+                  "messages": [{"role": "system", "content": "helper"}, *sample["messages"]]}
+        branches.append(_random_turns(client, helper, random.Random(seed + 1000)))
+    for result in await asyncio.gather(*branches, return_exceptions=True):
+        # a rewritten history too long for a prompt: the agent stops there
+        if isinstance(result, BaseException) and not (isinstance(result, openai.BadRequestError)
+                                                      and result.code == "context_length_exceeded"):
+            raise result
     return rng.random()
 
 
@@ -348,3 +354,42 @@ async def langgraph_react(client, sample: dict):
     graph = create_react_agent(model.bind_tools([calculator], parallel_tool_calls=False), [calculator])
     state = await graph.ainvoke({"messages": [("user", sample["prompt"])]}, {"recursion_limit": 6})
     return float(f"#### {sample['ground_truth']}" in str(state["messages"][-1].content))
+
+
+async def langgraph_parallel(client, sample: dict):
+    """Two LangGraph branches at once, the solver and a checker with a system prompt of its own, then the
+    solver told what the checker said: two conversations in one episode, the solver's continued after
+    the other's turn."""
+    from typing import TypedDict
+
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, StateGraph
+
+    model = ChatOpenAI(model=sample["model"], api_key=client.api_key, root_async_client=client,
+                       async_client=client.chat.completions, max_retries=0, max_tokens=8)
+
+    class State(TypedDict, total=False):
+        solver: list
+        checker: str
+        answer: str
+
+    async def solve(state: State) -> State:
+        asked = [("user", sample["prompt"])]
+        return {"solver": asked + [await model.ainvoke(asked)]}
+
+    async def check(state: State) -> State:
+        return {"checker": (await model.ainvoke([("system", "Check."), ("user", sample["prompt"])])).content}
+
+    async def decide(state: State) -> State:
+        told = ("user", f"Checker: {state['checker'][:8]}")
+        return {"answer": (await model.ainvoke(state["solver"] + [told])).content}
+
+    graph = StateGraph(State)
+    for name, node in (("solve", solve), ("check", check), ("decide", decide)):
+        graph.add_node(name, node)
+    graph.add_edge(START, "solve")
+    graph.add_edge(START, "check")
+    graph.add_edge(["solve", "check"], "decide")
+    graph.add_edge("decide", END)
+    state = await graph.compile().ainvoke({})
+    return float(f"#### {sample['ground_truth']}" in state["answer"])

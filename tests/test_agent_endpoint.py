@@ -64,9 +64,10 @@ def samples(count: int, **extra) -> list[dict]:
 
 @pytest.mark.parametrize("processes", [1, 3])
 def test_random_agents_train_exactly_the_tokens_the_engine_sampled(vllm_engine, processes):
-    """For 64 random agents at once (turns, tools, completions, rewritten histories), in one agents' process
-    or spread over three: every row's masked tokens are turns the engine sampled, in order, each after
-    exactly the tokens before it in its row; the rest of a row is what the agent sent, never trained on."""
+    """For 64 random agents at once (turns, tools, completions, rewritten histories, sub-agents' conversations
+    beside the main ones), in one agents' process or spread over three: every row's masked tokens are turns
+    the engine sampled, in order, each after exactly the tokens before it in its row; the rest of a row is
+    what the agent sent, never trained on."""
     run(vllm_engine, samples(processes), agent="agents_for_tests:random_agent", agent_processes=processes)  # all started
     engine = Recording(vllm_engine)
     finished = run(engine, samples(64), agent="agents_for_tests:random_agent", agent_processes=processes)

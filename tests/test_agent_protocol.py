@@ -296,6 +296,45 @@ def test_an_episode_extends_its_history_and_starts_a_segment_when_it_is_rewritte
         episode.plan_chat([{"role": "user", "content": "x" * 60}], None, {})
 
 
+def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(tokenizer):
+    """Sub-agents, parallel branches, an agent used as a tool: each call continues the conversation its
+    messages extend, beside the others' calls; a fork of a conversation being continued starts its own."""
+    render = ChatRender(tokenizer)
+    episode = Episode(0, 0, "k", render, Limits(max_prompt=64, budget=200, max_turns=6, max_tokens_per_turn=8))
+    turn = SimpleNamespace(token_ids=[70, 71], logprobs=[-0.5, -0.5], finish_reason="stop")
+    helper = [{"role": "system", "content": "helper"}, {"role": "user", "content": "sub"}]
+
+    def reply(messages, text="ab"):
+        return messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+
+    main = episode.plan_chat(USER, None, {})
+    episode.finish_chat(main, turn, {"role": "assistant", "content": "ab"})
+    sub = episode.plan_chat(helper, None, {})  # the agent used as a tool: a conversation of its own
+    episode.finish_chat(sub, turn, {"role": "assistant", "content": "ab"})
+    assert episode.prefix_breaks == 1 and len(episode.segments) == 2
+    # both continued at once: each after its own tokens, with only its new message rendered
+    again, sub_again = episode.plan_chat(reply(USER), None, {}), episode.plan_chat(reply(helper), None, {})
+    shown = render.after_turn([{"role": "user", "content": "more"}], ended_with_eos=False)
+    assert again.context == main.context + [70, 71] + shown and sub_again.context == sub.context + [70, 71] + shown
+    assert (again.turn, sub_again.turn, episode.in_flight) == (2, 3, 2)  # seeds and ids apart
+    fork = episode.plan_chat(reply(USER), None, {})  # the same conversation while a call continues it
+    assert fork.context == render.prompt(reply(USER)) and len(episode.segments) == 3
+    episode.release(fork)  # refused or cancelled: no turn, and nothing left to continue
+    episode.finish_chat(sub_again, turn, {"role": "assistant", "content": "ab"})
+    episode.finish_chat(again, turn, {"role": "assistant", "content": "ab"})
+    assert episode.in_flight == 0 and episode.turns == 4 and episode.prefix_breaks == 2
+    first, second, _ = episode.segments
+    assert first.ids == [70, 71] + shown + [70, 71] and second.ids == first.ids
+    assert episode.record().rows() == [second, first]  # the turn that finished last is the final answer's row
+    # a released call leaves its conversation to be continued as before
+    late = episode.plan_chat(reply(reply(USER)), None, {})
+    assert late.context is not None
+    episode.release(late)
+    assert episode.plan_chat(reply(reply(USER)), None, {}).context == late.context
+    assert episode.plan_chat(reply(reply(helper)), None, {}).turn == 5
+    assert episode.plan_chat(helper, None, {}).context is None  # past max_turns, with the turns in flight
+
+
 def test_completions_extend_an_episode_as_text_or_as_token_ids(tokenizer):
     episode = Episode(0, 0, "k", ChatRender(tokenizer), Limits(40, 12, 5, 8))
     turn = SimpleNamespace(token_ids=[70, 71], logprobs=[-1.0, -1.0], finish_reason="length")

@@ -118,6 +118,8 @@ def _warm_rollouts(task: Path) -> dict:
     for agent in ("agents_for_tests:openai_agents_sdk", "agents_for_tests:openai_agents_sdk_responses",
                   "agents_for_tests:openai_agents_sdk_streamed", "agents_for_tests:langgraph_react"):  # room for a tool error
         out[agent] = rollout_of(engine, samples, agent, response=256)
+    out["agents_for_tests:langgraph_parallel"] = rollout_of(engine, samples, "agents_for_tests:langgraph_parallel",
+                                                            response=256, prompt=64, max_turns=3, concurrency=1)
     prompts = [prompt_token_ids(engine.tokenizer, s["prompt"], True, [CALCULATOR]) for s in samples]
     out["own"] = [(t.prompt_ids, t.ids, t.mask, t.logprobs, t.tool_calls) for t in agent_loop.run(
         engine.turns({}, 128, ["</tool_call>"]), prompts, 2, {"calculator": resolve_tool("calculator")},
@@ -126,15 +128,15 @@ def _warm_rollouts(task: Path) -> dict:
     return out
 
 
-def rollout_of(engine, samples: list[dict], agent: str, n: int = 2, response: int = 128):
+def rollout_of(engine, samples: list[dict], agent: str, n: int = 2, response: int = 128, prompt: int = 40, **params):
     from types import SimpleNamespace
 
     from nodes.agents import rollout
 
     params = {"agent": agent, "max_turns": 2, "max_tokens_per_turn": 96, "concurrency": 64, "agent_processes": 1, "timeout_s": 120.0,
-              "max_request_mb": 8, "host": None, "env_kwargs": {}}
+              "max_request_mb": 8, "host": None, "env_kwargs": {}, **params}
     ctx = SimpleNamespace(engine=engine, node=SimpleNamespace(id="agent", model="policy", params=params), seed=11,
-                          data=SimpleNamespace(max_prompt_length=40, max_response_length=response), validating=False)
+                          data=SimpleNamespace(max_prompt_length=prompt, max_response_length=response), validating=False)
     return rollout.run(ctx, samples, n)
 
 
@@ -187,6 +189,23 @@ def test_agents_written_with_frameworks_train_through_the_endpoint(warm_rollouts
     assert [o.status for o in finished.outcomes] == ["ok"] * 16, [o.error for o in finished.outcomes if o.error][:2]
     called = [e for e in finished.episodes if e.tool_calls]
     assert called and all(e.turns == 2 and e.prefix_breaks == 0 and len(e.segments) == 1 for e in called)
+
+
+def test_an_agents_parallel_branches_run_at_once_each_conversation_one_segment(warm_rollouts):
+    """LangGraph's two branches of one step (a solver, and a checker with a system prompt of its own), then
+    the solver told what the checker said, one episode at a time: the branches' turns were on the engine
+    together, and each conversation is one segment, the solver's continued after the checker's turn (its
+    row last: the final answer's)."""
+    finished = warm_rollouts["agents_for_tests:langgraph_parallel"]
+    assert [o.status for o in finished.outcomes] == ["ok"] * 16, [o.error for o in finished.outcomes if o.error][:2]
+    assert finished.peak_in_flight == 2  # concurrency 1: one episode's two calls at once
+
+    def turns_in(segment):
+        return sum(1 for i, m in enumerate(segment.mask) if m and (i == 0 or not segment.mask[i - 1]))
+
+    for episode in finished.episodes:
+        assert (episode.turns, episode.prefix_breaks, len(episode.segments)) == (3, 1, 2)
+        assert [turns_in(s) for s in episode.rows()] == [1, 2]
 
 
 @pytest.mark.parametrize("run", ["openai_agents_sdk_responses", "openai_agents_sdk_streamed"])

@@ -1,15 +1,17 @@
 """One agent episode as the token ids the engine sampled and the ones it was shown.
 
 Token faithful: a call's context is the previous call's tokens plus only its new messages rendered
-(`chat_render`), so the model's tokens are trained as sampled, never re-tokenized from text. A call
-whose messages do not extend the episode's history (the agent rewrote or dropped turns, or switched
-between chat and completions) starts a new segment: its whole conversation is the new prompt. Each
-segment becomes one training row; its mask covers the model's tokens only.
+(`chat_render`), so the model's tokens are trained as sampled, never re-tokenized from text. An episode
+may hold several conversations at once (a framework's sub-agents, parallel branches, an agent used as
+a tool): a call continues the segment whose conversation its messages extend, and runs beside the calls
+continuing others. A call whose messages extend none (the agent rewrote or dropped turns, switched
+between chat and completions, or forked a conversation another call is continuing) starts a new
+segment: its whole conversation is the new prompt. Each segment becomes one training row; its mask
+covers the model's tokens only.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ class Segment:
     mask: list[int] = field(default_factory=list)  # 1: a token the model sampled, 0: one it was shown
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "stop"  # its last turn's
+    finished: int = -1  # the episode's turns finished before its latest: rows are in this order, the final answer last
 
     def extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.ids += ids
@@ -44,61 +47,91 @@ class Segment:
 
 
 @dataclass
+class Conversation:
+    """A segment as calls continue it: what a call's messages (chat) or prompt (completions) must begin
+    with, None until its first turn; busy while one of its turns is generated."""
+
+    segment: Segment
+    chat: bool  # continued by chat calls (history: normalized messages), or by completions (text or ids)
+    history: list | str | list[int] | None = None
+    ended_with_eos: bool = False  # its last turn ended with EOS (the template's close then starts after it)
+    busy: bool = False
+
+
+@dataclass
 class Planned:
-    """A turn to generate after `context` (up to `max_tokens`), or, with no context, none: the episode has
-    no turn or no room left, and the call is answered with an empty completion (finish_reason length)."""
+    """Turn number `turn` of the episode, to generate after `context` (up to `max_tokens`) and append to
+    `conversation`; or, with no context, none: the episode has no turn or no room left, and the call is
+    answered with an empty completion (finish_reason length)."""
 
     context: list[int] | None
+    turn: int
     max_tokens: int = 0
     shown: list[int] = field(default_factory=list)  # the new messages' tokens, appended with the turn
-    history: Any = None  # what the segment will hold once the turn is appended
+    history: Any = None  # what the conversation will hold once the turn is appended
+    conversation: Conversation | None = None
 
 
 class Episode:
-    """What one episode said and was told, segment by segment; one call at a time (`lock`)."""
+    """What one episode said and was told, segment by segment. A call plans its turn, then finishes it
+    (appended) or releases it (refused, cancelled): one conversation's turns one at a time, several
+    conversations' at once."""
 
     def __init__(self, index: int, prompt_index: int, key: str, render: ChatRender, limits: Limits):
         self.index, self.prompt_index, self.key, self.render, self.limits = index, prompt_index, key, render, limits
         self.segments: list[Segment] = []
-        self.lock = asyncio.Lock()
+        self.conversations: list[Conversation] = []
+        self.in_flight = 0  # turns planned and not yet finished or released
         self.ended = False  # the agent returned, failed or ran out of time: its key is revoked
         self.turns = self.prefix_breaks = self.tool_calls = self.sampling_overridden = 0
         self.endpoint_seconds: list[float] = []
         self.calls: set = set()  # its calls in flight (asyncio tasks), cancelled when it ends
-        self._chat: list | None = None  # the current segment's messages, normalized (chat calls)
-        self._text: str | list[int] | None = None  # its prompt and completions as text or ids (completions calls)
-        self._ended_with_eos = False  # its last turn ended with EOS (the template's close then starts after it)
 
     # -- chat (/v1/chat/completions) -------------------------------------------------------------
     def plan_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> Planned:
         normalized = [normalize(m) for m in messages]
-        known = self._chat
-        if self.segments and known is not None and normalized[:len(known)] == known:
-            shown = self.render.after_turn(messages[len(known):], self._ended_with_eos, tools, **template_kwargs)
-            return self._planned(shown, normalized)
-        return self._new_segment(self.render.prompt(messages, tools, **template_kwargs), normalized)
+        known = self._continued(True, lambda h: normalized[:len(h)] == h)
+        if known is not None:
+            shown = self.render.after_turn(messages[len(known.history):], known.ended_with_eos, tools, **template_kwargs)
+            return self._planned(known, shown, normalized)
+        return self._new_segment(self.render.prompt(messages, tools, **template_kwargs), normalized, True)
 
     def finish_chat(self, planned: Planned, sample: Any, reply: dict) -> None:
         """Append the turn (`sample`, as the engine sampled it) and the reply the agent was sent."""
-        self._append(planned, sample)
-        self._chat, self._text = planned.history + [normalize(reply)], None
+        self._append(planned, sample, planned.history + [normalize(reply)])
 
     # -- completions (/v1/completions) -----------------------------------------------------------
     def plan_text(self, prompt: str | list[int]) -> Planned:
-        tok, known = self.render.tokenizer, self._text
-        if self.segments and type(known) is type(prompt) and prompt[:len(known)] == known:
-            rest = prompt[len(known):]
+        tok = self.render.tokenizer
+        known = self._continued(False, lambda h: type(h) is type(prompt) and prompt[:len(h)] == h)
+        if known is not None:
+            rest = prompt[len(known.history):]
             shown = list(rest) if isinstance(rest, list) else tok.encode(rest, add_special_tokens=False) if rest else []
-            return self._planned(shown, prompt)
-        return self._new_segment(list(prompt) if isinstance(prompt, list) else tok.encode(prompt), prompt)
+            return self._planned(known, shown, prompt)
+        return self._new_segment(list(prompt) if isinstance(prompt, list) else tok.encode(prompt), prompt, False)
 
     def finish_text(self, planned: Planned, sample: Any, text: str) -> None:
-        self._append(planned, sample)
-        self._text = planned.history + (list(sample.token_ids) if isinstance(planned.history, list) else text)
-        self._chat = None
+        self._append(planned, sample,
+                     planned.history + (list(sample.token_ids) if isinstance(planned.history, list) else text))
 
     # -- common ----------------------------------------------------------------------------------
-    def _new_segment(self, prompt_ids: list[int], history: Any) -> Planned:
+    def release(self, planned: Planned) -> None:
+        """The call of `planned` is over (a no-op once its turn is finished): its conversation may be
+        continued again. A conversation that never got a turn is forgotten."""
+        known, planned.conversation = planned.conversation, None
+        if known is not None:
+            known.busy, self.in_flight = False, self.in_flight - 1
+            if known.history is None:
+                self.conversations.remove(known)
+
+    def _continued(self, chat: bool, extends) -> Conversation | None:
+        """The conversation a chat (or completions) call continues: of the idle ones whose history
+        `extends` holds for, the longest (of equals, the latest)."""
+        found = [c for c in self.conversations
+                 if c.chat is chat and not c.busy and c.history is not None and extends(c.history)]
+        return max(reversed(found), key=lambda c: len(c.history), default=None)
+
+    def _new_segment(self, prompt_ids: list[int], history: Any, chat: bool) -> Planned:
         if len(prompt_ids) > self.limits.max_prompt:
             raise TooLong(f"this conversation is {len(prompt_ids)} tokens, more than the {self.limits.max_prompt} "
                           "a prompt may have (data.max_prompt_length); expected a shorter conversation, or a larger "
@@ -106,24 +139,29 @@ class Episode:
         if self.segments:
             self.prefix_breaks += 1
         self.segments.append(Segment(prompt_ids))
-        self._chat = self._text = None
-        return self._planned([], history)
+        return self._planned(Conversation(self.segments[-1], chat), [], history, new=True)
 
-    def _planned(self, shown: list[int], history: Any) -> Planned:
-        segment = self.segments[-1]
+    def _planned(self, known: Conversation, shown: list[int], history: Any, new: bool = False) -> Planned:
+        segment, turn = known.segment, self.turns + self.in_flight
         room = self.limits.budget - len(segment.ids) - len(shown)
-        if self.turns >= self.limits.max_turns or room < 1:
-            return Planned(None)
-        return Planned(segment.prompt_ids + segment.ids + shown, min(room, self.limits.max_tokens_per_turn), shown, history)
+        if turn >= self.limits.max_turns or room < 1:
+            return Planned(None, turn)
+        if new:
+            self.conversations.append(known)
+        known.busy, self.in_flight = True, self.in_flight + 1
+        return Planned(segment.prompt_ids + segment.ids + shown, turn, min(room, self.limits.max_tokens_per_turn),
+                       shown, history, known)
 
-    def _append(self, planned: Planned, sample: Any) -> None:
-        segment = self.segments[-1]
+    def _append(self, planned: Planned, sample: Any, history: Any) -> None:
+        known = planned.conversation
+        segment = known.segment
         segment.extend(planned.shown, False)
         segment.extend(list(sample.token_ids), True, list(sample.logprobs))
-        segment.finish_reason = sample.finish_reason
+        segment.finish_reason, segment.finished = sample.finish_reason, self.turns
         eos = self.render.tokenizer.eos_token_id
-        self._ended_with_eos = bool(sample.token_ids) and sample.token_ids[-1] == eos
+        known.history, known.ended_with_eos = history, bool(sample.token_ids) and sample.token_ids[-1] == eos
         self.turns += 1
+        self.release(planned)
 
     def record(self) -> EpisodeRecord:
         return EpisodeRecord(self.index, self.prompt_index, self.segments, self.turns, self.tool_calls,
@@ -144,8 +182,9 @@ class EpisodeRecord:
     endpoint_seconds: list[float]
 
     def rows(self) -> list[Segment]:
-        """The segments that hold a turn of the model's: the episode's training rows."""
-        return [s for s in self.segments if any(s.mask)]
+        """The segments that hold a turn of the model's: the episode's training rows, the one with its
+        latest turn (its final answer) last."""
+        return sorted((s for s in self.segments if any(s.mask)), key=lambda s: s.finished)
 
 
 def normalize(message: dict) -> tuple:

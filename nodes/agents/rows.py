@@ -2,8 +2,9 @@
 
 Training: each segment of an episode whose agent finished is a row, with the episode's reward; a lost
 episode (failed, timed out) gives none, and a prompt left without rows is dropped from the step, as
-DAPO's filter drops a group (agent/groups_dropped). Validation: one row per episode, its last segment
-(where its final answer is), or for a lost one an empty response, which scores as a wrong answer.
+DAPO's filter drops a group (agent/groups_dropped). Validation: one row per episode, the segment of its
+latest turn (its final answer; EpisodeRecord.rows() puts it last), or for a lost one an empty response,
+which scores as a wrong answer.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 environment loop both come here, so every path is the same token-faithful one (episode.py).
 
 An episode is reached by its key (401 for a key that is unknown or whose episode has ended, 403 for a
-live key used on another episode's address); its calls run one at a time.
+live key used on another episode's address); its calls may run at once (each continues a conversation
+of its own, or starts one: episode.py).
 """
 
 from __future__ import annotations
@@ -61,18 +62,19 @@ class Service:
         """A /v1/chat/completions call: the next turn after `req.messages`."""
         self._check_template_kwargs(req.template_kwargs)
         async with _Call(episode) as call:
-            planned = self._plan(lambda: episode.plan_chat(req.messages, req.tools, req.template_kwargs), "messages")
+            planned = call.planned = self._plan(lambda: episode.plan_chat(req.messages, req.tools, req.template_kwargs),
+                                                "messages")
             if planned.context is None:
                 message, finish, sample = {"role": "assistant", "content": ""}, "length", None
             else:
                 stop = req.stop + ([STOP_AT_CALL] if req.one_call_per_turn else [])
                 sample = await self._generate(episode, planned, req, stop)
                 text = openai_api.turn_text(req, sample.text, sample.finish_reason)
-                message, calls = openai_api.assistant_message(req, text, f"call-{episode.index}-{episode.turns}")
+                message, calls = openai_api.assistant_message(req, text, f"call-{episode.index}-{planned.turn}")
                 finish = calls or sample.finish_reason
                 episode.finish_chat(planned, sample, message)
                 episode.tool_calls += len(message.get("tool_calls", ()))
-            call.answer = openai_api.chat_answer(f"chatcmpl-{episode.index}-{episode.turns}", self.model, message,
+            call.answer = openai_api.chat_answer(f"chatcmpl-{episode.index}-{planned.turn}", self.model, message,
                                                  finish, _usage(planned, sample), self._logprobs(req, sample))
             episode.sampling_overridden += req.overridden
             return call.answer
@@ -83,13 +85,13 @@ class Service:
             raise ApiError(400, f"token id {max(req.prompt)} is not in the model's vocabulary; expected ids from 0 to "
                                 f"{self.render.max_token_id}", param="prompt")
         async with _Call(episode) as call:
-            planned = self._plan(lambda: episode.plan_text(req.prompt), "prompt")
+            planned = call.planned = self._plan(lambda: episode.plan_text(req.prompt), "prompt")
             text, finish, sample = "", "length", None
             if planned.context is not None:
                 sample = await self._generate(episode, planned, req, req.stop)
                 text, finish = openai_api.turn_text(req, sample.text, sample.finish_reason), sample.finish_reason
                 episode.finish_text(planned, sample, text)
-            call.answer = openai_api.completion_answer(f"cmpl-{episode.index}-{episode.turns}", self.model, text, finish,
+            call.answer = openai_api.completion_answer(f"cmpl-{episode.index}-{planned.turn}", self.model, text, finish,
                                                        _usage(planned, sample), self._logprobs(req, sample))
             episode.sampling_overridden += req.overridden
             return call.answer
@@ -118,7 +120,7 @@ class Service:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", param=param) from None
 
     async def _generate(self, episode: Episode, planned, req: Request, stop: list[str]):
-        seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + episode.turns) % 2**31
+        seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + planned.turn) % 2**31
         max_tokens = min(planned.max_tokens, req.max_tokens or planned.max_tokens)
         try:
             return await self.turns.generate(planned.context, max_tokens, seed, stop, req.top_logprobs)
@@ -132,25 +134,24 @@ class Service:
 
 
 class _Call:
-    """One call of an episode: alone on it, timed, and cancelled when the episode ends."""
+    """One call of an episode: timed, cancelled when the episode ends, its planned turn released after."""
 
     def __init__(self, episode: Episode):
-        self.episode, self.answer = episode, None
+        self.episode, self.answer, self.planned = episode, None, None
 
     async def __aenter__(self) -> _Call:
-        await self.episode.lock.acquire()
-        self.began, self.task = time.perf_counter(), asyncio.current_task()
         if self.episode.ended:
-            self.episode.lock.release()
             raise ApiError(401, "this episode has ended; expected calls only while its agent runs", "invalid_api_key")
+        self.began, self.task = time.perf_counter(), asyncio.current_task()
         self.episode.calls.add(self.task)
         return self
 
     async def __aexit__(self, kind, exc, tb) -> None:
         self.episode.calls.discard(self.task)
+        if self.planned is not None:
+            self.episode.release(self.planned)
         if exc is None:
             self.episode.endpoint_seconds.append(time.perf_counter() - self.began)
-        self.episode.lock.release()
 
 
 def _usage(planned, sample) -> dict:

@@ -2,9 +2,9 @@
 
 - `tools`: the engine's own loop, in which the model calls tools (nodes/tools, or a user's
   `module:function` decorated with @siirl_dag.registry.tool) (nodes/agent_loop.py);
-- `agent`: the user's `async def solve(client, sample)` against an OpenAI-compatible endpoint served
-  from the node's engine; `agent_command`: the same as a program; `env`: a gym-shaped environment
-  driven by the engine's loop (nodes/agents).
+- `agent`: the user's `async def solve(client, sample)` (or a synchronous `def`, run in a thread)
+  against an OpenAI-compatible endpoint served from the node's engine; `agent_command`: the same as a
+  program; `env`: a gym-shaped environment driven by the engine's loop (nodes/agents).
 
 It produces what `rollout` produces, so the log-prob, reward, advantage and loss nodes work unchanged:
 `response_mask` covers the model's own tokens; tools' answers and the agents' messages are attended
@@ -98,14 +98,12 @@ def _agent_runs(ref: str, path: tuple) -> list[Problem]:
         solve = user_ref(ref, "agent", {})
     except LookupError as exc:
         return [Problem(path, str(exc))]
-    if not (inspect.iscoroutinefunction(solve) or inspect.iscoroutinefunction(getattr(solve, "__call__", None))):
-        return [Problem(path, f"'{ref}' is not an async function; expected async def solve(client: openai.AsyncOpenAI, "
-                              "sample: dict) -> float | dict | None")]
     try:
         inspect.signature(solve).bind(None, None)
     except TypeError:
         return [Problem(path, f"'{ref}' cannot be called as solve(client, sample): its arguments are "
-                              f"{inspect.signature(solve)}; expected async def solve(client, sample)")]
+                              f"{inspect.signature(solve)}; expected async def solve(client: openai.AsyncOpenAI, "
+                              "sample: dict), or def solve(client: openai.OpenAI, sample: dict)")]
     except ValueError:  # no signature to read (a builtin): it is called and fails then, its episodes lost
         pass
     return []

@@ -77,6 +77,24 @@ async def two_turns(client, sample: dict):
     return None
 
 
+def sync_two_turns(client, sample: dict):
+    """two_turns written without asyncio, as most harnesses are: an `openai.OpenAI` client, in a thread."""
+    assert isinstance(client, openai.OpenAI), type(client)
+    messages = list(sample["messages"])
+    first = client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=8)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+    client.chat.completions.create(model=sample["model"], messages=messages, max_tokens=8)
+    return None
+
+
+def sync_sleeps_on_even(client, sample: dict):
+    """A synchronous agent that, on even samples, sleeps through its timeout after its first turn."""
+    client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=4)
+    if sample["extra_info"]["seed"] % 2 == 0:
+        time.sleep(30)
+    return 1.0
+
+
 async def raises_on_a_third(client, sample: dict):
     """A user's agent of two chat turns that leaves the reward to the pipeline's reward node; but on every
     third prompt (by its operands) it raises after its first turn."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,6 +116,21 @@ def test_agents_that_fail_lose_their_episodes_only(vllm_engine):
     validation = agent_rows.rows_of(finished, [f"u{i}" for i in range(8)], 1, True, lambda i: [1, 2], 0)
     assert validation.index == list(range(8))  # validation: one row per episode, lost ones empty
     assert [any(s.mask) for s in validation.samples] == [False, False, False, True] * 2
+
+
+def test_a_synchronous_agent_runs_in_threads_and_samples_what_its_async_twin_does(vllm_engine):
+    """A harness written without asyncio (`def solve(client: openai.OpenAI, sample)`): its episodes run in
+    threads at once, token for token those of the same agent written with asyncio; one that sleeps past
+    timeout_s loses its episode only, and the rollout does not wait for it."""
+    want = run(vllm_engine, samples(8), agent="agents_for_tests:two_turns")
+    got = run(vllm_engine, samples(8), agent="agents_for_tests:sync_two_turns")
+    assert [o.status for o in got.outcomes] == ["ok"] * 8, [o.error for o in got.outcomes if o.error][:2]
+    assert [e.turns for e in got.episodes] == [2] * 8 and got.peak_in_flight >= 2
+    assert [(s.prompt_ids, s.ids, s.mask) for e in got.episodes for s in e.segments] == \
+        [(s.prompt_ids, s.ids, s.mask) for e in want.episodes for s in e.segments]
+    began = time.monotonic()
+    slow = run(vllm_engine, samples(4), agent="agents_for_tests:sync_sleeps_on_even", timeout_s=3.0)
+    assert [o.status for o in slow.outcomes] == ["timeout", "ok", "timeout", "ok"] and time.monotonic() - began < 20
 
 
 def test_the_endpoint_answers_bad_calls_as_openai_does(vllm_engine, tmp_path):

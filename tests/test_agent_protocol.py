@@ -404,7 +404,8 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
         tiny_model_dir, "nodes.agent.params.agent=agents_for_tests:takes_the_client_only")[params + ".agent"]
     assert "cannot import module 'no_such_agents'" in door_problems(
         tiny_model_dir, "nodes.agent.params.agent=no_such_agents:solve")[params + ".agent"]
-    assert "is not an async function" in door_problems(tiny_model_dir, "nodes.agent.params.agent=json:dumps")[params + ".agent"]
+    assert "cannot be called as solve(client, sample): its arguments are (obj, *" in door_problems(
+        tiny_model_dir, "nodes.agent.params.agent=json:dumps")[params + ".agent"]
     swapped = ["nodes.agent.params.agent=null"]  # swapping the agent for another kind by override
     assert "has no reset or step" in door_problems(tiny_model_dir, *swapped, "+nodes.agent.params.env=json:JSONDecoder")[
         params + ".env"]

@@ -11,6 +11,14 @@ FAILED, TIMEOUTS = "agent/failed", "agent/timeouts"  # episodes lost (rows.metri
 AUTO_PROCESSES = {"cpu": 1, "cuda": 4}
 
 
+def is_async(solve) -> bool:
+    """Whether a Python agent is `async def solve` (run on the agents' event loop with an AsyncOpenAI) or a
+    synchronous `def solve` (run in a thread with an OpenAI client)."""
+    import inspect
+
+    return inspect.iscoroutinefunction(solve) or inspect.iscoroutinefunction(getattr(solve, "__call__", None))
+
+
 def agent_processes(asked: int | str, device: str, concurrency: int) -> int:
     """The agents' processes an engine on `device` runs its episodes in (`params.agent_processes`): never
     more than the episodes in flight (`concurrency`), which they share (rollout.py; `plan` says it too)."""

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from nodes.agents import is_async
 from nodes.agents.episode import Episode
 from nodes.agents import openai_api
 from nodes.agents.openai_api import Request
@@ -66,22 +67,36 @@ def reward_of(value: Any) -> tuple[float | None, dict]:
     return float(value), info
 
 
-def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
-    """`solve(client, sample)` with an `openai.AsyncOpenAI` client at the episode's own address and key,
-    its calls answered in this process (Endpoint.transport)."""
+def python_agent(solve: Callable, endpoint: Endpoint, pool: ThreadPoolExecutor) -> Agent:
+    """`solve(client, sample)` with an `openai` client at the episode's own address and key, its calls
+    answered in this process (Endpoint.transport): `async def solve` gets an `AsyncOpenAI` on this event
+    loop; a synchronous `def solve` (a harness written without asyncio) an `OpenAI`, in a thread of `pool`."""
     import httpx
     import openai
 
-    transport = endpoint.transport()
+    if is_async(solve):
+        transport = endpoint.transport()
 
-    async def run(episode: Episode, sample: dict) -> Any:
-        # an HTTP client of its own, as the agent may close it
-        async with httpx.AsyncClient(transport=transport, timeout=None) as http:
-            client = openai.AsyncOpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http,
-                                        max_retries=0)
-            return await solve(client, _public(sample))
+        async def run(episode: Episode, sample: dict) -> Any:
+            # an HTTP client of its own, as the agent may close it
+            async with httpx.AsyncClient(transport=transport, timeout=None) as http:
+                client = openai.AsyncOpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http,
+                                            max_retries=0)
+                return await solve(client, _public(sample))
 
-    return run
+        return run
+
+    async def run_in_thread(episode: Episode, sample: dict) -> Any:
+        transport = endpoint.thread_transport(asyncio.get_running_loop())
+
+        def run() -> Any:
+            with httpx.Client(transport=transport, timeout=None) as http:
+                client = openai.OpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http, max_retries=0)
+                return solve(client, _public(sample))
+
+        return await asyncio.get_running_loop().run_in_executor(pool, run)
+
+    return run_in_thread
 
 
 def command_agent(argv: list[str], cwd: str | None) -> Agent:

@@ -12,12 +12,14 @@ It is reached two ways that answer alike (`Endpoint.reply`): over HTTP (aiohttp,
 for agent programs and for any client an agent makes from its base URL), and, for the `openai` client
 handed to a Python agent, which lives in this same process, through `transport()`: an httpx transport
 that hands the request's bytes to `reply` without a socket, sparing each call the HTTP round trip
-through two stacks (about half of a call's CPU here). Bodies larger than `max_request_mb` are answered
+through two stacks (about half of a call's CPU here); `thread_transport` does it for a synchronous
+agent's client, from the agent's thread. Bodies larger than `max_request_mb` are answered
 413; errors come in OpenAI's JSON shape. Requests are parsed as JSON, never evaluated.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -89,6 +91,10 @@ class Endpoint:
         """Requests to this endpoint answered in this process, without a socket."""
         return _InProcess(self)
 
+    def thread_transport(self, loop: asyncio.AbstractEventLoop) -> httpx.BaseTransport:
+        """The same for a synchronous client on another thread, `loop` being the one this endpoint runs on."""
+        return _FromThread(self, loop)
+
     async def reply(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
         """The answer to one request, whichever way it came."""
         route = ROUTE.fullmatch(path)
@@ -158,9 +164,24 @@ class _InProcess(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
-        reply = await self.endpoint.reply(request.method, request.url.path, request.headers, body)
-        payload, kind = reply.payload()
-        return httpx.Response(reply.status, headers={"content-type": kind}, content=payload, request=request)
+        return _response(await self.endpoint.reply(request.method, request.url.path, request.headers, body), request)
+
+
+class _FromThread(httpx.BaseTransport):
+    """A synchronous client's calls, made on an agent's thread, answered on the endpoint's event loop."""
+
+    def __init__(self, endpoint: Endpoint, loop: asyncio.AbstractEventLoop):
+        self.endpoint, self.loop = endpoint, loop
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        body = request.read()
+        answer = self.endpoint.reply(request.method, request.url.path, request.headers, body)
+        return _response(asyncio.run_coroutine_threadsafe(answer, self.loop).result(), request)
+
+
+def _response(reply: Reply, request: httpx.Request) -> httpx.Response:
+    payload, kind = reply.payload()
+    return httpx.Response(reply.status, headers={"content-type": kind}, content=payload, request=request)
 
 
 def _unicode(parsed: Any) -> bool:

@@ -52,7 +52,8 @@ class Agents:
         episodes = [service.open(k, k // spec.n) for k in spec.episodes]
         outcomes: list[runners.Outcome | None] = [None] * len(episodes)
         endpoint = Endpoint(service, p["host"] or "127.0.0.1", p["max_request_mb"]) if p.get("env") is None else None
-        pool = ThreadPoolExecutor(p["concurrency"], thread_name_prefix="env") if p.get("env") else None
+        # threads (made as needed) for an environment's methods or a synchronous agent; a late one is left behind
+        pool = ThreadPoolExecutor(p["concurrency"], thread_name_prefix="agents")
         if endpoint is not None:
             await endpoint.start()
         try:
@@ -79,13 +80,12 @@ class Agents:
             self.turns.forget()
             if endpoint is not None:
                 await endpoint.stop()
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
         return [e.record() for e in episodes], outcomes
 
-    def _agent(self, p: dict, service: Service, endpoint: Endpoint | None, pool: ThreadPoolExecutor | None) -> runners.Agent:
+    def _agent(self, p: dict, service: Service, endpoint: Endpoint | None, pool: ThreadPoolExecutor) -> runners.Agent:
         if p.get("agent"):
-            return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint)
+            return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint, pool)
         if p.get("agent_command"):
             return runners.command_agent(p["agent_command"], None)
         env_class, kwargs = user_ref(p["env"], "environment", {}), dict(p["env_kwargs"])

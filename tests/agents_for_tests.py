@@ -77,6 +77,23 @@ async def two_turns(client, sample: dict):
     return None
 
 
+async def retries_after_its_timeout(client, sample: dict):
+    """Over HTTP, as a client with a short timeout does: its first call gives up before the answer comes
+    (the client hangs up), and after a back-off it asks again the same."""
+    body = {"model": sample["model"], "messages": sample["messages"], "max_tokens": 48}  # a turn of some ms
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {client.api_key}"}) as http:
+        try:
+            await http.post(f"{client.base_url}chat/completions", json=body, timeout=httpx.Timeout(30.0, read=0.005))
+        except httpx.ReadTimeout:
+            pass
+        else:
+            raise AssertionError("answered within 5 ms")
+        await asyncio.sleep(0.3)
+        answer = await http.post(f"{client.base_url}chat/completions", json=body, timeout=30.0)
+        assert answer.status_code == 200, answer.text
+    return 1.0
+
+
 def sync_two_turns(client, sample: dict):
     """two_turns written without asyncio, as most harnesses are: an `openai.OpenAI` client, in a thread."""
     assert isinstance(client, openai.OpenAI), type(client)

@@ -133,6 +133,14 @@ def test_a_synchronous_agent_runs_in_threads_and_samples_what_its_async_twin_doe
     assert [o.status for o in slow.outcomes] == ["timeout", "ok", "timeout", "ok"] and time.monotonic() - began < 20
 
 
+def test_a_call_whose_client_hangs_up_is_not_the_episodes(vllm_engine):
+    """A client that gives up on a call (its timeout) and retries: the turn it hung up on is aborted, so
+    the retry continues the conversation, one segment of one turn, not a fork of two."""
+    finished = run(vllm_engine, samples(4), agent="agents_for_tests:retries_after_its_timeout")
+    assert [o.status for o in finished.outcomes] == ["ok"] * 4, [o.error for o in finished.outcomes if o.error][:2]
+    assert [(e.turns, e.prefix_breaks, len(e.rows())) for e in finished.episodes] == [(1, 0, 1)] * 4
+
+
 def test_the_endpoint_answers_bad_calls_as_openai_does(vllm_engine, tmp_path):
     finished = run(vllm_engine, samples(3, dir=str(tmp_path)), agent="agents_for_tests:probes_the_endpoint",
                    concurrency=1)

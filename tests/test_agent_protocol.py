@@ -319,11 +319,11 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     assert (again.turn, sub_again.turn, episode.in_flight) == (2, 3, 2)  # seeds and ids apart
     fork = episode.plan_chat(reply(USER), None, {})  # the same conversation while a call continues it
     assert fork.context == render.prompt(reply(USER)) and len(episode.segments) == 3
-    episode.release(fork)  # refused or cancelled: no turn, and nothing left to continue
+    episode.release(fork)  # refused or cancelled: no turn, and no segment left
     episode.finish_chat(sub_again, turn, {"role": "assistant", "content": "ab"})
     episode.finish_chat(again, turn, {"role": "assistant", "content": "ab"})
     assert episode.in_flight == 0 and episode.turns == 4 and episode.prefix_breaks == 2
-    first, second, _ = episode.segments
+    first, second = episode.segments
     assert first.ids == [70, 71] + shown + [70, 71] and second.ids == first.ids
     assert episode.record().rows() == [second, first]  # the turn that finished last is the final answer's row
     # a released call leaves its conversation to be continued as before

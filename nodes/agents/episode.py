@@ -117,12 +117,13 @@ class Episode:
     # -- common ----------------------------------------------------------------------------------
     def release(self, planned: Planned) -> None:
         """The call of `planned` is over (a no-op once its turn is finished): its conversation may be
-        continued again. A conversation that never got a turn is forgotten."""
+        continued again. A conversation that never got a turn is forgotten, its segment too."""
         known, planned.conversation = planned.conversation, None
         if known is not None:
             known.busy, self.in_flight = False, self.in_flight - 1
             if known.history is None:
                 self.conversations.remove(known)
+                self.segments.remove(known.segment)
 
     def _continued(self, chat: bool, extends) -> Conversation | None:
         """The conversation a chat (or completions) call continues: of the idle ones whose history
@@ -136,17 +137,16 @@ class Episode:
             raise TooLong(f"this conversation is {len(prompt_ids)} tokens, more than the {self.limits.max_prompt} "
                           "a prompt may have (data.max_prompt_length); expected a shorter conversation, or a larger "
                           "data.max_prompt_length")
-        if self.segments:
-            self.prefix_breaks += 1
-        self.segments.append(Segment(prompt_ids))
-        return self._planned(Conversation(self.segments[-1], chat), [], history, new=True)
+        return self._planned(Conversation(Segment(prompt_ids), chat), [], history, new=True)
 
     def _planned(self, known: Conversation, shown: list[int], history: Any, new: bool = False) -> Planned:
         segment, turn = known.segment, self.turns + self.in_flight
         room = self.limits.budget - len(segment.ids) - len(shown)
         if turn >= self.limits.max_turns or room < 1:
             return Planned(None, turn)
-        if new:
+        if new:  # a segment beside others: the agent rewrote, dropped or forked a conversation, or began another
+            self.prefix_breaks += bool(self.segments)
+            self.segments.append(segment)
             self.conversations.append(known)
         known.busy, self.in_flight = True, self.in_flight + 1
         return Planned(segment.prompt_ids + segment.ids + shown, turn, min(room, self.limits.max_tokens_per_turn),

@@ -69,7 +69,8 @@ def read(body: Any, served: str, chat: bool) -> Request:
                             "(the `model` of each episode's sample)", "model_not_found", "model")
     if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), bool):
         raise ApiError(400, "n must be 1: each call is one turn of one episode (more samples per prompt: the "
-                            "rollout's options.n)", param="n")
+                            "rollout's options.n; several candidates in an episode: as many calls at once, each "
+                            "a segment of its own)", param="n")
     for key in ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"):
         if body.get(key) not in (None, {"type": "text"}):
             raise ApiError(400, f"{key} is not served: constrained decoding changes what is sampled, and the "

@@ -70,7 +70,8 @@ class Endpoint:
         """Listen on an ephemeral port; the base URL (http://HOST:PORT)."""
         app = web.Application(client_max_size=self.max_bytes)
         app.router.add_route("*", "/{path:.*}", self._http)
-        self._runner = web.AppRunner(app, access_log=None)
+        # a client that hangs up (its timeout) has its turn aborted: its retry continues the conversation
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()

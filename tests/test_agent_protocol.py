@@ -300,7 +300,7 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     """Sub-agents, parallel branches, an agent used as a tool: each call continues the conversation its
     messages extend, beside the others' calls; a fork of a conversation being continued starts its own."""
     render = ChatRender(tokenizer)
-    episode = Episode(0, 0, "k", render, Limits(max_prompt=64, budget=200, max_turns=6, max_tokens_per_turn=8))
+    episode = Episode(0, 0, "k", render, Limits(max_prompt=64, budget=200, max_turns=7, max_tokens_per_turn=8))
     turn = SimpleNamespace(token_ids=[70, 71], logprobs=[-0.5, -0.5], finish_reason="stop")
     helper = [{"role": "system", "content": "helper"}, {"role": "user", "content": "sub"}]
 
@@ -326,12 +326,18 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     first, second = episode.segments
     assert first.ids == [70, 71] + shown + [70, 71] and second.ids == first.ids
     assert episode.record().rows() == [second, first]  # the turn that finished last is the final answer's row
+    # two calls alike at once: two segments alike; one refused takes its own away, not its twin's
+    twin, other = episode.plan_chat(USER, None, {}), episode.plan_chat(USER, None, {})
+    twin_segment = episode.segments[-2]
+    episode.release(other)
+    episode.finish_chat(twin, turn, {"role": "assistant", "content": "ab"})
+    assert episode.segments[-1] is twin_segment and twin_segment.ids == [70, 71] and len(episode.segments) == 3
     # a released call leaves its conversation to be continued as before
     late = episode.plan_chat(reply(reply(USER)), None, {})
     assert late.context is not None
     episode.release(late)
     assert episode.plan_chat(reply(reply(USER)), None, {}).context == late.context
-    assert episode.plan_chat(reply(reply(helper)), None, {}).turn == 5
+    assert episode.plan_chat(reply(reply(helper)), None, {}).turn == 6
     assert episode.plan_chat(helper, None, {}).context is None  # past max_turns, with the turns in flight
 
 

@@ -31,7 +31,7 @@ class Limits:
     max_tokens_per_turn: int
 
 
-@dataclass
+@dataclass(eq=False)  # each is itself: two alike (two forks of one conversation) are two rows
 class Segment:
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)  # after the prompt: the model's turns and the messages between
@@ -46,7 +46,7 @@ class Segment:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
-@dataclass
+@dataclass(eq=False)
 class Conversation:
     """A segment as calls continue it: what a call's messages (chat) or prompt (completions) must begin
     with, None until its first turn; busy while one of its turns is generated."""

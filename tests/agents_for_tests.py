@@ -94,6 +94,32 @@ async def retries_after_its_timeout(client, sample: dict):
     return 1.0
 
 
+async def retries_in_process(client, sample: dict):
+    """The same with the client handed to the agent (answered without a socket): its timeout holds too."""
+    body = {"model": sample["model"], "messages": sample["messages"], "max_tokens": 48}
+    try:
+        await client.with_options(timeout=0.005).chat.completions.create(**body)
+    except openai.APITimeoutError:
+        pass
+    else:
+        raise AssertionError("answered within 5 ms")
+    await client.chat.completions.create(**body)
+    return 1.0
+
+
+def sync_retries_in_process(client, sample: dict):
+    """The same, written without asyncio."""
+    body = {"model": sample["model"], "messages": sample["messages"], "max_tokens": 48}
+    try:
+        client.with_options(timeout=0.005).chat.completions.create(**body)
+    except openai.APITimeoutError:
+        pass
+    else:
+        raise AssertionError("answered within 5 ms")
+    client.chat.completions.create(**body)
+    return 1.0
+
+
 def sync_two_turns(client, sample: dict):
     """two_turns written without asyncio, as most harnesses are: an `openai.OpenAI` client, in a thread."""
     assert isinstance(client, openai.OpenAI), type(client)

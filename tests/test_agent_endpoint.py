@@ -128,15 +128,17 @@ def test_a_synchronous_agent_runs_in_threads_and_samples_what_its_async_twin_doe
     assert [e.turns for e in got.episodes] == [2] * 8 and got.peak_in_flight >= 2
     assert [(s.prompt_ids, s.ids, s.mask) for e in got.episodes for s in e.segments] == \
         [(s.prompt_ids, s.ids, s.mask) for e in want.episodes for s in e.segments]
-    began = time.monotonic()
-    slow = run(vllm_engine, samples(4), agent="agents_for_tests:sync_sleeps_on_even", timeout_s=3.0)
+    began = time.monotonic()  # two at once: a thread left sleeping holds no later episode's place
+    slow = run(vllm_engine, samples(4), agent="agents_for_tests:sync_sleeps_on_even", timeout_s=3.0, concurrency=2)
     assert [o.status for o in slow.outcomes] == ["timeout", "ok", "timeout", "ok"] and time.monotonic() - began < 20
 
 
-def test_a_call_whose_client_hangs_up_is_not_the_episodes(vllm_engine):
-    """A client that gives up on a call (its timeout) and retries: the turn it hung up on is aborted, so
-    the retry continues the conversation, one segment of one turn, not a fork of two."""
-    finished = run(vllm_engine, samples(4), agent="agents_for_tests:retries_after_its_timeout")
+@pytest.mark.parametrize("agent", ["retries_after_its_timeout", "retries_in_process", "sync_retries_in_process"])
+def test_a_call_whose_client_hangs_up_is_not_the_episodes(vllm_engine, agent):
+    """A client that gives up on a call (its timeout: over HTTP, or the in-process client's, async or
+    not) and retries: the turn it gave up on is aborted, so the retry continues the conversation, one
+    segment of one turn, not a fork of two."""
+    finished = run(vllm_engine, samples(4), agent=f"agents_for_tests:{agent}")
     assert [o.status for o in finished.outcomes] == ["ok"] * 4, [o.error for o in finished.outcomes if o.error][:2]
     assert [(e.turns, e.prefix_breaks, len(e.rows())) for e in finished.episodes] == [(1, 0, 1)] * 4
 

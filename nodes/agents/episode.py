@@ -60,12 +60,12 @@ class Conversation:
 
 @dataclass
 class Planned:
-    """Turn number `turn` of the episode, to generate after `context` (up to `max_tokens`) and append to
-    `conversation`; or, with no context, none: the episode has no turn or no room left, and the call is
+    """The episode's call number `number`: a turn to generate after `context` (up to `max_tokens`) and append
+    to `conversation`; or, with no context, none: the episode has no turn or no room left, and the call is
     answered with an empty completion (finish_reason length)."""
 
     context: list[int] | None
-    turn: int
+    number: int  # its call's, unique in the episode: its turn's seed, its answer's ids
     max_tokens: int = 0
     shown: list[int] = field(default_factory=list)  # the new messages' tokens, appended with the turn
     history: Any = None  # what the conversation will hold once the turn is appended
@@ -83,7 +83,8 @@ class Episode:
         self.conversations: list[Conversation] = []
         self.in_flight = 0  # turns planned and not yet finished or released
         self.ended = False  # the agent returned, failed or ran out of time: its key is revoked
-        self.turns = self.prefix_breaks = self.tool_calls = self.sampling_overridden = 0
+        self.turns = self.tool_calls = self.sampling_overridden = 0
+        self._calls = 0  # calls planned: each call's number (its turn's seed, its answer's ids) is its own
         self.endpoint_seconds: list[float] = []
         self.calls: set = set()  # its calls in flight (asyncio tasks), cancelled when it ends
 
@@ -115,6 +116,11 @@ class Episode:
                      planned.history + (list(sample.token_ids) if isinstance(planned.history, list) else text))
 
     # -- common ----------------------------------------------------------------------------------
+    @property
+    def prefix_breaks(self) -> int:
+        """Segments begun beside another: the agent rewrote, dropped or forked a conversation, or began another."""
+        return max(len(self.segments) - 1, 0)
+
     def release(self, planned: Planned) -> None:
         """The call of `planned` is over (a no-op once its turn is finished): its conversation may be
         continued again. A conversation that never got a turn is forgotten, its segment too."""
@@ -140,16 +146,16 @@ class Episode:
         return self._planned(Conversation(Segment(prompt_ids), chat), [], history, new=True)
 
     def _planned(self, known: Conversation, shown: list[int], history: Any, new: bool = False) -> Planned:
-        segment, turn = known.segment, self.turns + self.in_flight
+        segment, number = known.segment, self._calls
+        self._calls += 1
         room = self.limits.budget - len(segment.ids) - len(shown)
-        if turn >= self.limits.max_turns or room < 1:
-            return Planned(None, turn)
-        if new:  # a segment beside others: the agent rewrote, dropped or forked a conversation, or began another
-            self.prefix_breaks += bool(self.segments)
+        if self.turns + self.in_flight >= self.limits.max_turns or room < 1:
+            return Planned(None, number)
+        if new:
             self.segments.append(segment)
             self.conversations.append(known)
         known.busy, self.in_flight = True, self.in_flight + 1
-        return Planned(segment.prompt_ids + segment.ids + shown, turn, min(room, self.limits.max_tokens_per_turn),
+        return Planned(segment.prompt_ids + segment.ids + shown, number, min(room, self.limits.max_tokens_per_turn),
                        shown, history, known)
 
     def _append(self, planned: Planned, sample: Any, history: Any) -> None:

@@ -5,6 +5,7 @@ prints garbage) costs its episode only: the run goes on."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import os
@@ -67,10 +68,11 @@ def reward_of(value: Any) -> tuple[float | None, dict]:
     return float(value), info
 
 
-def python_agent(solve: Callable, endpoint: Endpoint, pool: ThreadPoolExecutor) -> Agent:
+def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
     """`solve(client, sample)` with an `openai` client at the episode's own address and key, its calls
     answered in this process (Endpoint.transport): `async def solve` gets an `AsyncOpenAI` on this event
-    loop; a synchronous `def solve` (a harness written without asyncio) an `OpenAI`, in a thread of `pool`."""
+    loop; a synchronous `def solve` (a harness written without asyncio) an `OpenAI`, on a thread of the
+    episode's own (one that never returns holds only itself)."""
     import httpx
     import openai
 
@@ -92,9 +94,18 @@ def python_agent(solve: Callable, endpoint: Endpoint, pool: ThreadPoolExecutor) 
         def run() -> Any:
             with httpx.Client(transport=transport, timeout=None) as http:
                 client = openai.OpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http, max_retries=0)
-                return solve(client, _public(sample))
+                result = solve(client, _public(sample))
+            if inspect.isawaitable(result):
+                getattr(result, "close", lambda: None)()
+                raise TypeError("solve returned an awaitable, called as a synchronous function (a decorator may hide "
+                                "its async def); expected async def solve(client, sample) seen as such, or a reward")
+            return result
 
-        return await asyncio.get_running_loop().run_in_executor(pool, run)
+        thread = ThreadPoolExecutor(1, thread_name_prefix=f"agent-{episode.index}")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(thread, run)
+        finally:
+            thread.shutdown(wait=False)  # a late one is left to itself
 
     return run_in_thread
 
@@ -132,38 +143,48 @@ def command_agent(argv: list[str], cwd: str | None) -> Agent:
     return run
 
 
-def env_agent(make_env: Callable[[], Any], service: Service, pool: ThreadPoolExecutor) -> Agent:
+def env_agent(make_env: Callable[[], Any], service: Service) -> Agent:
     """An environment's episode: reset(sample) gives the first observation (None: the sample's prompt), each
     model turn goes to step(text) -> (observation, reward, done) (a gymnasium 5-tuple works too), each
-    observation comes back as the next message; the episode's reward is the sum of the steps'."""
+    observation comes back as the next message; the episode's reward is the sum of the steps'. Its
+    methods run on a thread of the episode's own."""
 
     async def run(episode: Episode, sample: dict) -> Any:
         loop = asyncio.get_running_loop()
+        thread = ThreadPoolExecutor(1, thread_name_prefix=f"env-{episode.index}")
 
         def call(fn, *args):
-            return loop.run_in_executor(pool, fn, *args)
+            return loop.run_in_executor(thread, fn, *args)
 
-        env = await call(make_env)
         try:
-            messages = observation_messages(await call(env.reset, _public(sample))) or list(sample["messages"])
-            total = 0.0
-            while True:
-                turns = episode.turns
-                answer = await service.chat(episode, Request(messages=messages))
-                if episode.turns == turns:  # no turn or no room left
-                    return total
-                reply = answer["choices"][0]["message"]
-                obs, reward, done = step_result(await call(env.step, reply["content"]))
-                total += reward
-                if done:
-                    return total
-                messages += [reply, *observation_messages(obs)]
+            env = await call(make_env)
+            try:
+                return await _steps(env, episode, sample, call, service)
+            finally:
+                close = getattr(env, "close", None)
+                if callable(close):
+                    await call(close)
         finally:
-            close = getattr(env, "close", None)
-            if callable(close):
-                await call(close)
+            thread.shutdown(wait=False)  # a late one is left to itself
 
     return run
+
+
+async def _steps(env: Any, episode: Episode, sample: dict, call: Callable, service: Service) -> float:
+    """An environment's turns until it is done or the episode has no turn left: the sum of its rewards."""
+    messages = observation_messages(await call(env.reset, _public(sample))) or list(sample["messages"])
+    total = 0.0
+    while True:
+        turns = episode.turns
+        answer = await service.chat(episode, Request(messages=messages))
+        if episode.turns == turns:  # no turn or no room left
+            return total
+        reply = answer["choices"][0]["message"]
+        obs, reward, done = step_result(await call(env.step, reply["content"]))
+        total += reward
+        if done:
+            return total
+        messages += [reply, *observation_messages(obs)]
 
 
 def observation_messages(obs: Any) -> list[dict]:

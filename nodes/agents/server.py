@@ -20,6 +20,7 @@ agent's client, from the agent's thread. Bodies larger than `max_request_mb` are
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 from dataclasses import dataclass
@@ -70,8 +71,9 @@ class Endpoint:
         """Listen on an ephemeral port; the base URL (http://HOST:PORT)."""
         app = web.Application(client_max_size=self.max_bytes)
         app.router.add_route("*", "/{path:.*}", self._http)
-        # a client that hangs up (its timeout) has its turn aborted: its retry continues the conversation
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # a client that hangs up (its timeout) has its turn aborted: its retry continues the conversation.
+        # Stopped, it waits a second for what is left (a client's half-sent request), not aiohttp's minute.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
@@ -165,7 +167,11 @@ class _InProcess(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
-        return _response(await self.endpoint.reply(request.method, request.url.path, request.headers, body), request)
+        answer = self.endpoint.reply(request.method, request.url.path, request.headers, body)
+        try:  # the client's read timeout, as a socket would keep it: the call's turn is aborted
+            return _response(await asyncio.wait_for(answer, _read_timeout(request)), request)
+        except asyncio.TimeoutError:
+            raise httpx.ReadTimeout("no answer within the client's read timeout", request=request) from None
 
 
 class _FromThread(httpx.BaseTransport):
@@ -177,7 +183,18 @@ class _FromThread(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         body = request.read()
         answer = self.endpoint.reply(request.method, request.url.path, request.headers, body)
-        return _response(asyncio.run_coroutine_threadsafe(answer, self.loop).result(), request)
+        call = asyncio.run_coroutine_threadsafe(answer, self.loop)
+        try:
+            return _response(call.result(_read_timeout(request)), request)
+        except concurrent.futures.TimeoutError:
+            call.cancel()  # its turn aborted
+            raise httpx.ReadTimeout("no answer within the client's read timeout", request=request) from None
+        except concurrent.futures.CancelledError:
+            raise httpx.ReadError("the call was stopped: its episode has ended", request=request) from None
+
+
+def _read_timeout(request: httpx.Request) -> float | None:
+    return request.extensions.get("timeout", {}).get("read")
 
 
 def _response(reply: Reply, request: httpx.Request) -> httpx.Response:

@@ -70,11 +70,11 @@ class Service:
                 stop = req.stop + ([STOP_AT_CALL] if req.one_call_per_turn else [])
                 sample = await self._generate(episode, planned, req, stop)
                 text = openai_api.turn_text(req, sample.text, sample.finish_reason)
-                message, calls = openai_api.assistant_message(req, text, f"call-{episode.index}-{planned.turn}")
+                message, calls = openai_api.assistant_message(req, text, f"call-{episode.index}-{planned.number}")
                 finish = calls or sample.finish_reason
                 episode.finish_chat(planned, sample, message)
                 episode.tool_calls += len(message.get("tool_calls", ()))
-            call.answer = openai_api.chat_answer(f"chatcmpl-{episode.index}-{planned.turn}", self.model, message,
+            call.answer = openai_api.chat_answer(f"chatcmpl-{episode.index}-{planned.number}", self.model, message,
                                                  finish, _usage(planned, sample), self._logprobs(req, sample))
             episode.sampling_overridden += req.overridden
             return call.answer
@@ -91,7 +91,7 @@ class Service:
                 sample = await self._generate(episode, planned, req, req.stop)
                 text, finish = openai_api.turn_text(req, sample.text, sample.finish_reason), sample.finish_reason
                 episode.finish_text(planned, sample, text)
-            call.answer = openai_api.completion_answer(f"cmpl-{episode.index}-{planned.turn}", self.model, text, finish,
+            call.answer = openai_api.completion_answer(f"cmpl-{episode.index}-{planned.number}", self.model, text, finish,
                                                        _usage(planned, sample), self._logprobs(req, sample))
             episode.sampling_overridden += req.overridden
             return call.answer
@@ -120,7 +120,7 @@ class Service:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", param=param) from None
 
     async def _generate(self, episode: Episode, planned, req: Request, stop: list[str]):
-        seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + planned.turn) % 2**31
+        seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + planned.number) % 2**31
         max_tokens = min(planned.max_tokens, req.max_tokens or planned.max_tokens)
         try:
             return await self.turns.generate(planned.context, max_tokens, seed, stop, req.top_logprobs)

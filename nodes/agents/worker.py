@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import socket
 import traceback
@@ -52,12 +51,10 @@ class Agents:
         episodes = [service.open(k, k // spec.n) for k in spec.episodes]
         outcomes: list[runners.Outcome | None] = [None] * len(episodes)
         endpoint = Endpoint(service, p["host"] or "127.0.0.1", p["max_request_mb"]) if p.get("env") is None else None
-        # threads (made as needed) for an environment's methods or a synchronous agent; a late one is left behind
-        pool = ThreadPoolExecutor(p["concurrency"], thread_name_prefix="agents")
         if endpoint is not None:
             await endpoint.start()
         try:
-            agent = self._agent(p, service, endpoint, pool)
+            agent = self._agent(p, service, endpoint)
             gate = asyncio.Semaphore(p["concurrency"])
 
             async def one(k: int, episode: Episode) -> None:
@@ -80,16 +77,15 @@ class Agents:
             self.turns.forget()
             if endpoint is not None:
                 await endpoint.stop()
-            pool.shutdown(wait=False, cancel_futures=True)
         return [e.record() for e in episodes], outcomes
 
-    def _agent(self, p: dict, service: Service, endpoint: Endpoint | None, pool: ThreadPoolExecutor) -> runners.Agent:
+    def _agent(self, p: dict, service: Service, endpoint: Endpoint | None) -> runners.Agent:
         if p.get("agent"):
-            return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint, pool)
+            return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint)
         if p.get("agent_command"):
             return runners.command_agent(p["agent_command"], None)
         env_class, kwargs = user_ref(p["env"], "environment", {}), dict(p["env_kwargs"])
-        return runners.env_agent(lambda: env_class(**kwargs), service, pool)
+        return runners.env_agent(lambda: env_class(**kwargs), service)
 
 
 async def serve(fd: int, tokenizer_path: str) -> None:

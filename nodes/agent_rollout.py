@@ -112,6 +112,9 @@ def _agent_runs(ref: str, path: tuple) -> list[Problem]:
 def _command_runs(argv: list[str], path: tuple) -> list[Problem]:
     program = argv[0]
     found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    if found is None and os.path.isfile(program):
+        return [Problem(path + (0,), f"'{program}' is a file but not executable; expected an executable program "
+                                     f"(chmod +x it, or name its interpreter first: [python, {program}])")]
     if found is None:
         return [Problem(path + (0,), f"'{program}' is not a program found on PATH or an executable file; expected "
                                      "the agent's program (argv, run without a shell)")]
@@ -185,7 +188,7 @@ def _agents(batch, ctx):
     engine, data = ctx.engine, ctx.data
     n = 1 if ctx.validating else engine.options["n"]
     finished = rollout.run(ctx, rollout.samples_of(batch, ctx.node.model), n)
-    rollout.log_failures(finished)
+    rollout.log_failures(finished, ctx.node.id)
     found = rows.rows_of(finished, batch["uid"], n, ctx.validating,
                          lambda i: prompt_token_ids(engine.tokenizer, batch["raw_prompt"][i], True),
                          engine.tokenizer.eos_token_id)

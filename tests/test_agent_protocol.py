@@ -311,7 +311,7 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     episode.finish_chat(main, turn, {"role": "assistant", "content": "ab"})
     sub = episode.plan_chat(helper, None, {})  # the agent used as a tool: a conversation of its own
     episode.finish_chat(sub, turn, {"role": "assistant", "content": "ab"})
-    assert episode.prefix_breaks == 1 and len(episode.segments) == 2
+    assert episode.prefix_breaks == 0 and len(episode.segments) == 2  # another conversation, no break
     # both continued at once: each after its own tokens, with only its new message rendered
     again, sub_again = episode.plan_chat(reply(USER), None, {}), episode.plan_chat(reply(helper), None, {})
     shown = render.after_turn([{"role": "user", "content": "more"}], ended_with_eos=False)
@@ -322,7 +322,7 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     episode.release(fork)  # refused or cancelled: no turn, and no segment left
     episode.finish_chat(sub_again, turn, {"role": "assistant", "content": "ab"})
     episode.finish_chat(again, turn, {"role": "assistant", "content": "ab"})
-    assert episode.in_flight == 0 and episode.turns == 4 and episode.prefix_breaks == 1  # not the released fork
+    assert episode.in_flight == 0 and episode.turns == 4 and episode.prefix_breaks == 0  # not the released fork
     first, second = episode.segments
     assert first.ids == [70, 71] + shown + [70, 71] and second.ids == first.ids
     assert episode.record().rows() == [second, first]  # the turn that finished last is the final answer's row
@@ -332,6 +332,7 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     episode.release(other)
     episode.finish_chat(twin, turn, {"role": "assistant", "content": "ab"})
     assert episode.segments[-1] is twin_segment and twin_segment.ids == [70, 71] and len(episode.segments) == 3
+    assert episode.prefix_breaks == 1  # it opens as the first does: a fork
     # a released call leaves its conversation to be continued as before
     late = episode.plan_chat(reply(reply(USER)), None, {})
     assert late.context is not None
@@ -340,6 +341,7 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     assert again.context == late.context and again.number == late.number + 1  # never a live call's number
     assert episode.plan_chat(reply(reply(helper)), None, {}).context is not None
     assert episode.plan_chat(helper, None, {}).context is None  # past max_turns, with the turns in flight
+    assert episode.past_limits == 1 and episode.record().past_limits == 1
 
 
 def test_completions_extend_an_episode_as_text_or_as_token_ids(tokenizer):
@@ -399,7 +401,7 @@ def door_problems(model_dir, *overrides: str) -> dict[str, str]:
     return {format_path(p.path): p.message for p in exc.value.problems if p.severity == "error"}
 
 
-def test_agents_are_checked_at_the_door(tiny_model_dir):
+def test_agents_are_checked_at_the_door(tiny_model_dir, tmp_path):
     from siirl_dag.config import load_pipeline
 
     params = "nodes[0].params"
@@ -416,6 +418,11 @@ def test_agents_are_checked_at_the_door(tiny_model_dir):
     swapped = ["nodes.agent.params.agent=null"]  # swapping the agent for another kind by override
     assert "has no reset or step" in door_problems(tiny_model_dir, *swapped, "+nodes.agent.params.env=json:JSONDecoder")[
         params + ".env"]
+    script = tmp_path / "agent.py"
+    script.write_text("print(1)\n")
+    assert "is a file but not executable; expected an executable program (chmod +x it, or name its interpreter first: " \
+        f"[python, {script}])" in door_problems(tiny_model_dir, *swapped, f"+nodes.agent.params.agent_command=[{script}]")[
+            params + ".agent_command[0]"]
     assert "not a program found on PATH" in door_problems(
         tiny_model_dir, *swapped, "+nodes.agent.params.agent_command=[no-such-agent-program]")[params + ".agent_command[0]"]
     env = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", *swapped,

@@ -78,6 +78,9 @@ def test_a_users_own_agent_trains_through_the_openai_graph(tmp_path, agent_task)
         assert step["rollout_corr/log_ppl_abs_diff"] < 1e-4 and step["agent/endpoint_s/mean"] > 0
         assert step["reward/from_agent"] == 0  # None: the reward node scored the answers
     assert "val-core/demo/agent_sum/acc" in steps["2"]
+    # the validation's lost episodes (scored 0) are counted too, and shown on the step's line
+    assert steps["2"]["val-aux/agent/failed"] > 0 and re.search(r"^step 2: .*val-aux/agent/failed=[1-9]", res.stderr, re.M)
+    assert re.search(r"^\[run\] val-core/demo/agent_sum/acc: [0-9.]+ \(after training\)$", res.stderr, re.M)
 
 
 def test_agent_pipeline_calls_tools_one_step_off_and_trains_on_the_models_tokens(tmp_path, agent_task):
@@ -204,7 +207,7 @@ def test_an_agents_parallel_branches_run_at_once_each_conversation_one_segment(w
         return sum(1 for i, m in enumerate(segment.mask) if m and (i == 0 or not segment.mask[i - 1]))
 
     for episode in finished.episodes:
-        assert (episode.turns, episode.prefix_breaks, len(episode.segments)) == (3, 1, 2)
+        assert (episode.turns, episode.prefix_breaks, len(episode.segments)) == (3, 0, 2)  # two conversations
         assert [turns_in(s) for s in episode.rows()] == [1, 2]
 
 

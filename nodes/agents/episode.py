@@ -53,6 +53,7 @@ class Conversation:
 
     segment: Segment
     chat: bool  # continued by chat calls (history: normalized messages), or by completions (text or ids)
+    opening: Any = None  # its first message (chat calls): another that opens alike rewrote or forked it
     history: list | str | list[int] | None = None
     ended_with_eos: bool = False  # its last turn ended with EOS (the template's close then starts after it)
     busy: bool = False
@@ -84,6 +85,7 @@ class Episode:
         self.in_flight = 0  # turns planned and not yet finished or released
         self.ended = False  # the agent returned, failed or ran out of time: its key is revoked
         self.turns = self.tool_calls = self.sampling_overridden = 0
+        self.past_limits = 0  # calls answered empty: past max_turns, or no room left in the response budget
         self._calls = 0  # calls planned: each call's number (its turn's seed, its answer's ids) is its own
         self.endpoint_seconds: list[float] = []
         self.calls: set = set()  # its calls in flight (asyncio tasks), cancelled when it ends
@@ -118,8 +120,11 @@ class Episode:
     # -- common ----------------------------------------------------------------------------------
     @property
     def prefix_breaks(self) -> int:
-        """Segments begun beside another: the agent rewrote, dropped or forked a conversation, or began another."""
-        return max(len(self.segments) - 1, 0)
+        """Segments that open as an earlier one does (their first message; any after another for completions):
+        the agent rewrote, trimmed or forked a conversation. A segment that opens otherwise is another
+        conversation (a sub-agent's, a worker's with its own system prompt), no break."""
+        return sum(any(d.chat is c.chat and d.opening == c.opening for d in self.conversations[:i])
+                   for i, c in enumerate(self.conversations))
 
     def release(self, planned: Planned) -> None:
         """The call of `planned` is over (a no-op once its turn is finished): its conversation may be
@@ -143,13 +148,14 @@ class Episode:
             raise TooLong(f"this conversation is {len(prompt_ids)} tokens, more than the {self.limits.max_prompt} "
                           "a prompt may have (data.max_prompt_length); expected a shorter conversation, or a larger "
                           "data.max_prompt_length")
-        return self._planned(Conversation(Segment(prompt_ids), chat), [], history, new=True)
+        return self._planned(Conversation(Segment(prompt_ids), chat, history[:1] if chat else None), [], history, new=True)
 
     def _planned(self, known: Conversation, shown: list[int], history: Any, new: bool = False) -> Planned:
         segment, number = known.segment, self._calls
         self._calls += 1
         room = self.limits.budget - len(segment.ids) - len(shown)
         if self.turns + self.in_flight >= self.limits.max_turns or room < 1:
+            self.past_limits += 1
             return Planned(None, number)
         if new:
             self.segments.append(segment)
@@ -171,7 +177,7 @@ class Episode:
 
     def record(self) -> EpisodeRecord:
         return EpisodeRecord(self.index, self.prompt_index, self.segments, self.turns, self.tool_calls,
-                             self.prefix_breaks, self.sampling_overridden, self.endpoint_seconds)
+                             self.prefix_breaks, self.sampling_overridden, self.endpoint_seconds, self.past_limits)
 
 
 @dataclass
@@ -186,6 +192,7 @@ class EpisodeRecord:
     prefix_breaks: int
     sampling_overridden: int
     endpoint_seconds: list[float]
+    past_limits: int
 
     def rows(self) -> list[Segment]:
         """The segments that hold a turn of the model's: the episode's training rows, the one with its

@@ -49,7 +49,8 @@ def read(body: Any, served: str, counting: bool = False) -> MessagesRequest:
     choice = body.get("tool_choice") or {"type": "auto"}
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "none"):
         raise ApiError(400, f"tool_choice {json.dumps(choice)[:80]} is not served: forcing a call changes what is sampled; "
-                            "expected {'type': 'auto'} or {'type': 'none'}", param="tool_choice")
+                            "expected {'type': 'auto'} or {'type': 'none'} (offer the tool; "
+                            f"{openai_api.FORCED_CALL})", param="tool_choice")
     system = body.get("system")
     messages = ([{"role": "system", "content": openai_api.text_of(system, "system")}] if system else []) + \
         _messages(body.get("messages"))

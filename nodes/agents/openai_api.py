@@ -25,6 +25,10 @@ OVERRIDDEN = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalt
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 
+# what an agent that structures the model's output does instead (LangChain's with_structured_output, a router)
+FREE_TEXT = "expected free text: ask for the format in the prompt and parse the answer"
+FORCED_CALL = "a turn without the call is the episode's to handle"
+
 
 class ApiError(Exception):
     """An error answer: HTTP status, OpenAI error type and code, message, the parameter at fault."""
@@ -74,7 +78,7 @@ def read(body: Any, served: str, chat: bool) -> Request:
     for key in ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs"):
         if body.get(key) not in (None, {"type": "text"}):
             raise ApiError(400, f"{key} is not served: constrained decoding changes what is sampled, and the "
-                                "trainer would score the unconstrained distribution", param=key)
+                                f"trainer would score the unconstrained distribution; {FREE_TEXT}", param=key)
     req = Request(overridden=any(body.get(k) is not None for k in OVERRIDDEN))
     req.max_tokens = positive(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     req.stop = _stop(body.get("stop"))
@@ -102,7 +106,7 @@ def _chat_fields(body: dict, req: Request) -> None:
         req.tools = tools or None
     if choice not in ("auto", "none", None):
         raise ApiError(400, f"tool_choice {_short(choice)} is not served: forcing a call changes what is sampled; "
-                            "expected 'auto' or 'none'", param="tool_choice")
+                            f"expected 'auto' or 'none' (offer the tool; {FORCED_CALL})", param="tool_choice")
     req.parse_tool_calls = bool(req.tools) and choice != "none"
     req.one_call_per_turn = req.parse_tool_calls and body.get("parallel_tool_calls") is False
     req.logprobs = _flag(body, "logprobs")

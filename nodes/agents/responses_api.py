@@ -52,7 +52,8 @@ def read(body: Any, served: str) -> ResponsesRequest:
     text = body.get("text")
     if text is not None and not (isinstance(text, dict) and text.get("format", {"type": "text"}) in ({"type": "text"}, None)):
         raise ApiError(400, "text.format is not served: structured outputs constrain decoding, and the trainer would "
-                            "score the unconstrained distribution; expected {'format': {'type': 'text'}}", param="text.format")
+                            "score the unconstrained distribution; expected {'format': {'type': 'text'}}: ask for the "
+                            "format in the prompt and parse the answer", param="text.format")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ApiError(400, "expected instructions: a string", param="instructions")

@@ -146,7 +146,7 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
         log.error("%s; this rollout's episodes are lost, and the processes are started anew", why)
         _stop(node)
         indexes = [i for i in range(len(samples)) for _ in range(n)]
-        return Finished([EpisodeRecord(k, i, [], 0, 0, 0, 0, []) for k, i in enumerate(indexes)],
+        return Finished([EpisodeRecord(k, i, [], 0, 0, 0, 0, [], 0) for k, i in enumerate(indexes)],
                         [Outcome("timeout" if "deadline" in why else "failed", error=why) for _ in indexes], 0)
     results, peak = found
     by_index = {record.index: (record, outcome) for records, outcomes in results for record, outcome in zip(records, outcomes)}
@@ -207,7 +207,13 @@ def samples_of(batch: Any, model: str) -> list[dict]:
     return out
 
 
-def log_failures(finished: Finished) -> None:
+def log_failures(finished: Finished, node: str) -> None:
+    """The first lost episodes' errors, and calls answered empty past the episodes' limits, in the rank's log."""
+    cut = [e for e in finished.episodes if e.past_limits]
+    if cut:
+        log.warning("%d call(s) of %d episode(s) came past the episode's limits and were answered empty (finish_reason "
+                    "length): past nodes.%s.params.max_turns, or without room left in data.max_response_length; raise "
+                    "them for longer episodes (agent/calls_past_limits)", sum(e.past_limits for e in cut), len(cut), node)
     lost = [(e, o) for e, o in zip(finished.episodes, finished.outcomes) if o.status != "ok"]
     for episode, outcome in lost[:SHOWN_ERRORS]:
         log.warning("agent episode %d (prompt %d) lost, %s: %s", episode.index, episode.prompt_index, outcome.status,

@@ -66,6 +66,7 @@ def metrics(finished: Finished, rows: Rows, prompts: int, validating: bool) -> d
            FAILED: float(sum(o.status != "ok" for o in outcomes)),
            TIMEOUTS: float(sum(o.status == "timeout" for o in outcomes)),
            "agent/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
+           "agent/calls_past_limits": float(sum(e.past_limits for e in episodes)),
            "agent/endpoint_s/mean": sum(seconds) / len(seconds) if seconds else 0.0,
            "agent/sampling_overridden": float(sum(e.sampling_overridden for e in episodes)),
            "agent/in_flight/max": float(finished.peak_in_flight)}

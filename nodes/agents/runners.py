@@ -45,13 +45,16 @@ async def run_episode(agent: Agent, episode: Episode, sample: dict, timeout_s: f
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
         if not done:
             return Outcome("timeout", error=f"no result within timeout_s = {timeout_s:g} s")
-        reward, info = reward_of(task.result())
-        return Outcome("ok", reward, info)
+        returned = task.result()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the agent's failure is its episode's
         return Outcome("failed", error=_described(exc))
     finally:
         task.cancel()  # a late agent is stopped (one that ignores it is left to itself)
         service.end(episode)
+    try:
+        return Outcome("ok", *reward_of(returned))
+    except ValueError as exc:  # what it returned: no line of the engine's to point at
+        return Outcome("failed", error=str(exc))
 
 
 def reward_of(value: Any) -> tuple[float | None, dict]:
@@ -63,8 +66,10 @@ def reward_of(value: Any) -> tuple[float | None, dict]:
         value, info = value["reward"], value.get("info", {})
     if value is None:
         return None, info
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"the agent returned {_short(value)}; expected {REWARD_SHAPE} (a finite number)")
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"the agent returned {_short(value)}; expected {REWARD_SHAPE}")
+    if not math.isfinite(value):
+        raise ValueError(f"the agent returned the reward {value}; expected a finite number")
     return float(value), info
 
 

@@ -76,9 +76,13 @@ def main(args) -> int:
         finally:
             if log_dir:
                 say(f"[run] {console.warnings_in(log_dir)} warning line(s) in the logs ({log_dir}/)")
-        before, after = history.get("val_before", {}), history.get("val_last", {})
+        before, after = ({k: v for k, v in history.get(name, {}).items() if "val-core/" in k}
+                         for name in ("val_before", "val_last"))
         for key in sorted(set(before) | set(after)):
-            say(f"[run] {key}: before {before.get(key, float('nan')):.3f} -> after {after.get(key, float('nan')):.3f}")
+            if key in before and key in after:
+                say(f"[run] {key}: before {before[key]:.3f} -> after {after[key]:.3f}")
+            else:
+                say(f"[run] {key}: {after.get(key, before.get(key)):.3f} ({'after' if key in after else 'before'} training)")
         if args.json:
             emit(history)
     return 0

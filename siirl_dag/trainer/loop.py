@@ -134,9 +134,8 @@ class Trainer:
                                            in_flight.generated(self.resume.in_flight))
             run = trackers.RunInfo(self.project, self.experiment, self.out_dir, self.tb_dir, self.pipe.file,
                                    trackers.resolved(self.pipe), self.step, resumed=self.resume.path is not None)
-            shown = tuple(dict.fromkeys(key for kind in self.pipe.kinds.values() for key in kind.shown))
             log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step, run, self.progress,
-                                shown)
+                                self._shown())
             history: dict = {"steps": {}}
             try:
                 t = self.pipe.trainer
@@ -204,9 +203,15 @@ class Trainer:
         metrics["training/epoch"] = epoch
         return metrics
 
+    def _shown(self) -> tuple[str, ...]:
+        """The node kinds' metrics the console's line shows (registry `shown`: episodes lost, say)."""
+        return tuple(dict.fromkeys(key for kind in self.pipe.kinds.values() for key in kind.shown))
+
     def validate(self) -> dict:
         """Rollouts over the validation set (one per prompt, at the rollout's val_temperature); each scorer's
-        (dataflow.scorers) mean score per data source, under its policy's prefix when several train."""
+        (dataflow.scorers) mean score per data source, under its policy's prefix when several train; and the
+        node kinds' shown metrics of those rollouts, summed over its batches, as val-aux/KEY (a validation's
+        lost episodes score 0: this says how many there were)."""
         pipe, scorers = self.pipe, self.pipe.scorers
         if not scorers:
             return {}
@@ -215,10 +220,14 @@ class Trainer:
         wanted, began = set().union(*({s} | nx.ancestors(pipe.graph, s) for s, _ in scorers)), time.time()
         size = pipe.data.val_batch_size or len(self.val_data)
         per_source, to_log, to_show = defaultdict(list), pipe.trainer.log_trajectories, pipe.trainer.log_val_generations
+        aux, shown = defaultdict(float), self._shown()
         self.generations = []
         for start in range(0, len(self.val_data), size):
             rows = [self.val_data[i] for i in range(start, min(start + size, len(self.val_data)))]
             result = self.rt.run_step(_source(rows, "val-"), self.step, validating=True, nodes=wanted)
+            for key, value in result.metrics.items():
+                if key.endswith(shown):
+                    aux[f"val-aux/{key}"] += value
             for i, (node, key) in enumerate(scorers):
                 scored = result.outputs[node]
                 samples = (to_log or to_show) and i == 0  # the first scorer's trajectories and samples
@@ -235,7 +244,7 @@ class Trainer:
                     to_show -= len(lines[:to_show])
         if self.rt.trace is not None:
             self.rt.trace.driver("validation", began, step=self.step, prompts=len(self.val_data))
-        return {f"{prefix}val-core/{src}/acc": sum(v) / len(v) for (prefix, src), v in per_source.items()}
+        return {**{f"{prefix}val-core/{src}/acc": sum(v) / len(v) for (prefix, src), v in per_source.items()}, **aux}
 
     def _generations(self) -> list[dict]:
         """The samples of the validation just run, handed to the trackers once."""

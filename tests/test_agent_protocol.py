@@ -344,6 +344,14 @@ def test_an_episode_holds_several_conversations_each_continued_by_its_own_calls(
     assert episode.past_limits == 1 and episode.record().past_limits == 1
 
 
+def test_an_episodes_calls_past_max_turns_are_seeded_apart_from_the_next_episodes():
+    from nodes.agents.service import turn_seed
+
+    assert [turn_seed(11, 3, k, 4) for k in range(4)] == [11 + 12 + k for k in range(4)]  # the engine's own loop's
+    seeds = {turn_seed(11, e, k, 4) for e in range(64) for k in range(12)}  # retries: numbers past max_turns
+    assert len(seeds) == 64 * 12
+
+
 def test_completions_extend_an_episode_as_text_or_as_token_ids(tokenizer):
     episode = Episode(0, 0, "k", ChatRender(tokenizer), Limits(40, 12, 5, 8))
     turn = SimpleNamespace(token_ids=[70, 71], logprobs=[-1.0, -1.0], finish_reason="length")

@@ -120,7 +120,7 @@ class Service:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}", param=param) from None
 
     async def _generate(self, episode: Episode, planned, req: Request, stop: list[str]):
-        seed = None if self.seed is None else (self.seed + episode.index * self.limits.max_turns + planned.number) % 2**31
+        seed = None if self.seed is None else turn_seed(self.seed, episode.index, planned.number, self.limits.max_turns)
         max_tokens = min(planned.max_tokens, req.max_tokens or planned.max_tokens)
         try:
             return await self.turns.generate(planned.context, max_tokens, seed, stop, req.top_logprobs)
@@ -152,6 +152,15 @@ class _Call:
             self.episode.release(self.planned)
         if exc is None:
             self.episode.endpoint_seconds.append(time.perf_counter() - self.began)
+
+
+def turn_seed(seed: int, episode: int, number: int, max_turns: int) -> int:
+    """The seed of an episode's call `number`: the engine's own loop's for its turns (agent_loop), and, for a
+    number past max_turns (calls released before it: refused, cancelled), one apart from the next
+    episode's, which would otherwise sample the same turn after the same prompt."""
+    if number < max_turns:
+        return (seed + episode * max_turns + number) % 2**31
+    return hash((seed, episode, number)) % 2**31  # ints hash alike in every process
 
 
 def _usage(planned, sample) -> dict:

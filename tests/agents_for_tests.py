@@ -130,6 +130,18 @@ def sync_two_turns(client, sample: dict):
     return None
 
 
+def _traced(solve):
+    def wrapper(client, sample):  # a decorator that hides its function's async def
+        return solve(client, sample)
+
+    return wrapper
+
+
+@_traced
+async def hidden_async(client, sample: dict):
+    return 1.0
+
+
 def sync_sleeps_on_even(client, sample: dict):
     """A synchronous agent that, on even samples, sleeps through its timeout after its first turn."""
     client.chat.completions.create(model=sample["model"], messages=sample["messages"], max_tokens=4)

@@ -128,6 +128,8 @@ def test_a_synchronous_agent_runs_in_threads_and_samples_what_its_async_twin_doe
     assert [e.turns for e in got.episodes] == [2] * 8 and got.peak_in_flight >= 2
     assert [(s.prompt_ids, s.ids, s.mask) for e in got.episodes for s in e.segments] == \
         [(s.prompt_ids, s.ids, s.mask) for e in want.episodes for s in e.segments]
+    hidden = run(vllm_engine, samples(1), agent="agents_for_tests:hidden_async")  # a decorator hid its async def
+    assert hidden.outcomes[0].status == "failed" and "though it is not an async function" in hidden.outcomes[0].error
     began = time.monotonic()  # two at once: a thread left sleeping holds no later episode's place
     slow = run(vllm_engine, samples(4), agent="agents_for_tests:sync_sleeps_on_even", timeout_s=3.0, concurrency=2)
     assert [o.status for o in slow.outcomes] == ["timeout", "ok", "timeout", "ok"] and time.monotonic() - began < 20

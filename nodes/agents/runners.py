@@ -102,8 +102,8 @@ def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
                 result = solve(client, _public(sample))
             if inspect.isawaitable(result):
                 getattr(result, "close", lambda: None)()
-                raise TypeError("solve returned an awaitable, called as a synchronous function (a decorator may hide "
-                                "its async def); expected async def solve(client, sample) seen as such, or a reward")
+                raise TypeError("solve returned an awaitable, though it is not an async function (a decorator may "
+                                "hide its async def); expected solve declared async def, or a def returning a reward")
             return result
 
         thread = ThreadPoolExecutor(1, thread_name_prefix=f"agent-{episode.index}")

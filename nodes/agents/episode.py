@@ -80,9 +80,7 @@ class Episode:
 
     def __init__(self, index: int, prompt_index: int, key: str, render: ChatRender, limits: Limits):
         self.index, self.prompt_index, self.key, self.render, self.limits = index, prompt_index, key, render, limits
-        self.segments: list[Segment] = []
-        self.conversations: list[Conversation] = []
-        self.in_flight = 0  # turns planned and not yet finished or released
+        self.conversations: list[Conversation] = []  # each a segment, in the order they began
         self.ended = False  # the agent returned, failed or ran out of time: its key is revoked
         self.turns = self.tool_calls = self.sampling_overridden = 0
         self.past_limits = 0  # calls answered empty: past max_turns, or no room left in the response budget
@@ -119,6 +117,15 @@ class Episode:
 
     # -- common ----------------------------------------------------------------------------------
     @property
+    def segments(self) -> list[Segment]:
+        return [c.segment for c in self.conversations]
+
+    @property
+    def in_flight(self) -> int:
+        """Turns planned and not yet finished or released: one per busy conversation."""
+        return sum(c.busy for c in self.conversations)
+
+    @property
     def prefix_breaks(self) -> int:
         """Segments that open as an earlier one does (their first message; any after another for completions):
         the agent rewrote, trimmed or forked a conversation. A segment that opens otherwise is another
@@ -131,10 +138,9 @@ class Episode:
         continued again. A conversation that never got a turn is forgotten, its segment too."""
         known, planned.conversation = planned.conversation, None
         if known is not None:
-            known.busy, self.in_flight = False, self.in_flight - 1
+            known.busy = False
             if known.history is None:
                 self.conversations.remove(known)
-                self.segments.remove(known.segment)
 
     def _continued(self, chat: bool, extends) -> Conversation | None:
         """The conversation a chat (or completions) call continues: of the idle ones whose history
@@ -158,9 +164,8 @@ class Episode:
             self.past_limits += 1
             return Planned(None, number)
         if new:
-            self.segments.append(segment)
             self.conversations.append(known)
-        known.busy, self.in_flight = True, self.in_flight + 1
+        known.busy = True
         return Planned(segment.prompt_ids + segment.ids + shown, number, min(room, self.limits.max_tokens_per_turn),
                        shown, history, known)
 

@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sysconfig
+import tempfile
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -115,26 +116,31 @@ def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
     return run_in_thread
 
 
-def command_agent(argv: list[str], cwd: str | None) -> Agent:
+def command_agent(argv: list[str]) -> Agent:
     """A program per episode: OPENAI_BASE_URL and OPENAI_API_KEY (and Anthropic's two) in its environment, the sample as JSON on
-    stdin; its last line on stdout is its reward (JSON). Stopped with its process group when late."""
+    stdin (a program may leave it unread); its last line on stdout is its reward (JSON). TMPDIR is a directory
+    of the episode's own, removed when it ends. The program's process group is stopped when it exits (what
+    it left running: a server, a shell's background job) and when it is late."""
 
     async def run(episode: Episode, sample: dict) -> Any:
-        env = {**os.environ, "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key,
-               "ANTHROPIC_BASE_URL": sample["_base_url"].removesuffix("/v1"), "ANTHROPIC_API_KEY": episode.key}
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
-                                                    start_new_session=True)
-        try:
-            proc.stdin.write(json.dumps(_public(sample), default=str).encode())
-            await proc.stdin.drain()
-            proc.stdin.close()
-            out, err = await asyncio.gather(_tail(proc.stdout), _tail(proc.stderr))
-            code = await proc.wait()
-        except BaseException:
-            _kill(proc)
-            await proc.wait()
-            raise
+        with tempfile.TemporaryDirectory(prefix=f"episode-{episode.index}-", ignore_cleanup_errors=True) as own:
+            scratch = os.path.join(own, "tmp")
+            os.mkdir(scratch)
+            env = {**os.environ, "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key,
+                   "ANTHROPIC_BASE_URL": sample["_base_url"].removesuffix("/v1"), "ANTHROPIC_API_KEY": episode.key,
+                   "TMPDIR": scratch}
+            # stdout and stderr go to files, not pipes: a process the program leaves behind holds no pipe open
+            # that the episode would wait on
+            with open(os.path.join(own, "stdout"), "w+b") as out, open(os.path.join(own, "stderr"), "w+b") as err:
+                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
+                                                            env=env, start_new_session=True)
+                try:
+                    await _send(proc.stdin, json.dumps(_public(sample), default=str).encode())
+                    code = await proc.wait()
+                finally:
+                    _kill(proc)  # the episode is over (or late): what the program left running goes with it
+                    await proc.wait()
+                out, err = _tail(out), _tail(err)
         if code != 0:
             raise RuntimeError(f"{argv[0]} exited with status {code}: {_last_lines(err)}")
         lines = [line for line in out.decode("utf-8", "replace").splitlines() if line.strip()]
@@ -227,11 +233,20 @@ def _public(sample: dict) -> dict:
     return {k: v for k, v in sample.items() if not k.startswith("_")}
 
 
-async def _tail(stream: asyncio.StreamReader) -> bytes:
-    kept = b""
-    while chunk := await stream.read(65536):
-        kept = (kept + chunk)[-KEEP_OUTPUT:]
-    return kept
+def _tail(file: Any) -> bytes:
+    """The last KEEP_OUTPUT bytes a program wrote to `file`."""
+    file.seek(max(0, os.fstat(file.fileno()).st_size - KEEP_OUTPUT))
+    return file.read()
+
+
+async def _send(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    """`data` to a program's stdin, then its end; a program that exits without reading it is not at fault."""
+    try:
+        stdin.write(data)
+        await stdin.drain()
+        stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
 
 
 def _kill(proc: Any) -> None:

@@ -83,7 +83,7 @@ class Agents:
         if p.get("agent"):
             return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint)
         if p.get("agent_command"):
-            return runners.command_agent(p["agent_command"], None)
+            return runners.command_agent(p["agent_command"])
         env_class, kwargs = user_ref(p["env"], "environment", {}), dict(p["env_kwargs"])
         return runners.env_agent(lambda: env_class(**kwargs), service)
 

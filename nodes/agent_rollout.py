@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import shutil
+import sys
 
 from jinja2 import TemplateError
 
@@ -26,13 +28,14 @@ from nodes.chat_render import ChatRender
 from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
 from nodes.tools import resolve_tool
-from siirl_dag.errors import Problem
+from siirl_dag.errors import NodeFailure, Problem
 from siirl_dag.refs import user_ref
 from siirl_dag.registry import node_kind
 
 STOP = "</tool_call>"  # a turn with a call ends there, and the tools answer
 AGENT_KEYS = ("agent_reward", "episode")
-MODES = ("agent", "agent_command", "env")  # the user's own agents (nodes/agents)
+MODES = ("agent", "agent_command", "env")
+INTERPRETER = re.compile(r"(python|pypy)[0-9.]*|node|bash|sh|zsh|ruby|perl|Rscript")  # argv[1]: the script it runs  # the user's own agents (nodes/agents)
 ONE_OF = ("tools",) + MODES
 
 
@@ -114,10 +117,17 @@ def _command_runs(argv: list[str], path: tuple) -> list[Problem]:
     found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
     if found is None and os.path.isfile(program):
         return [Problem(path + (0,), f"'{program}' is a file but not executable; expected an executable program "
-                                     f"(chmod +x it, or name its interpreter first: [python, {program}])")]
+                                     "(chmod +x it, with a #! line naming its interpreter; or name the interpreter "
+                                     f"first, for a Python script the one whose packages it imports: [{sys.executable}, "
+                                     f"{program}])")]
     if found is None:
         return [Problem(path + (0,), f"'{program}' is not a program found on PATH or an executable file; expected "
                                      "the agent's program (argv, run without a shell)")]
+    script = argv[1] if len(argv) > 1 else ""
+    if INTERPRETER.fullmatch(os.path.basename(program)) and script and not script.startswith("-") \
+            and not os.path.isfile(script):
+        return [Problem(path + (1,), f"'{script}' is not a file; expected the script {os.path.basename(program)} runs "
+                                     "(its path from the folder the run starts in)")]
     return []
 
 
@@ -193,7 +203,7 @@ def _agents(batch, ctx):
                          lambda i: prompt_token_ids(engine.tokenizer, batch["raw_prompt"][i], True),
                          engine.tokenizer.eos_token_id)
     if not found.samples:
-        raise RuntimeError(rows.lost_everything(finished))
+        raise NodeFailure(rows.lost_everything(finished))
     out = pack_batch(found.prompts, found.samples, data.max_prompt_length, data.max_response_length, engine.pad_token_id)
     out.pop("sample_index")
     out.update(weight_versions(out, data.max_prompt_length, engine.weights_version))

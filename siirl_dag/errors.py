@@ -67,6 +67,11 @@ class ConfigError(ValueError):
         super().__init__("\n".join(str(p) for p in self.problems))
 
 
+class NodeFailure(RuntimeError):
+    """Raised by a node whose failure its message tells whole, the fault being the user's agent, data or
+    settings (a rollout that lost every episode): reported with that message, without the engine's traceback."""
+
+
 class PipelineError(RuntimeError):
     """A run failed for good (a node after its retries, a weight sync, a resume); names what failed
     and where. Here, not in the runtime, so the CLI can catch it without loading torch."""

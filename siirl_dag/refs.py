@@ -1,10 +1,37 @@
 """`module:attr` references: ours (a strategy's engine, a weight-sync path), imported as written, and
-a user's (a node kind, a tool, a score parser), with a message fit for the user when they fail."""
+a user's (a node kind, a tool, a score parser), with a message fit for the user when they fail. And
+where the run's processes import them from: the processes the run starts (Ray's workers, an agents'
+process) import what the driver does; the programs it starts for the user (an agent program, maybe in
+a Python of its own) get the environment the run was started with."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
+
+USER_PYTHONPATH = "SIIRL_DAG_USER_PYTHONPATH"  # the PYTHONPATH the run was started with ("": none)
+
+
+def importing_env() -> dict[str, str]:
+    """Environment variables for a Python process of the run's that must import what this one does: its
+    sys.path as PYTHONPATH, and the run's own PYTHONPATH kept beside it (for `user_program_env`)."""
+    paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    return {"PYTHONPATH": os.pathsep.join(paths),
+            USER_PYTHONPATH: os.environ.get(USER_PYTHONPATH, os.environ.get("PYTHONPATH", ""))}
+
+
+def user_program_env() -> dict[str, str]:
+    """This process's environment as a program of the user's gets it: PYTHONPATH as the run was started
+    with (this process's own lists the run's Python's standard library, which another Python cannot import)."""
+    env = dict(os.environ)
+    started_with = env.pop(USER_PYTHONPATH, None)
+    if started_with is not None:
+        env.pop("PYTHONPATH", None)
+        if started_with:
+            env["PYTHONPATH"] = started_with
+    return env
 
 
 def user_ref(ref: str, what: str, known: dict) -> Any:

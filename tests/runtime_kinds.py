@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from siirl_dag.errors import NodeFailure
 from siirl_dag.registry import node_kind
 from siirl_dag.strategies.base import Strategy
 
@@ -64,6 +65,8 @@ def t_join(batch, ctx):
 @node_kind("t_fail", consumes=("x",), produces=("z",))
 def t_fail(batch, ctx):
     print("t_fail: about to fail", flush=True)  # what a library would have said just before
+    if ctx.params.get("told"):  # a failure its message tells whole (the user's agent, data or settings)
+        raise NodeFailure("every episode was lost; the first: the agent raised")
     raise ValueError("boom: the test node failed on purpose")
 
 

@@ -162,6 +162,11 @@ def test_the_endpoint_answers_bad_calls_as_openai_does(vllm_engine, tmp_path):
     assert (info["client_wrong_model"], info["client_n2"], info["client_too_large"], info["client_out_of_vocabulary"]) == (
         404, 400, 413, 400)
     assert info["names_the_model"] == 1.0
+    # the calls refused with the episode's own key are counted as its (not a stranger's key, not a bad path, not a
+    # body the HTTP server refused before the endpoint read it)
+    assert [(e.refused, e.first_refusal[:16]) for e in finished.episodes] == [(13, "400 n must be 1:")] * 3
+    found = agent_rows.rows_of(finished, ["u0", "u1", "u2"], 1, False, None, 0)
+    assert agent_rows.metrics(finished, found, 3, False)["agent/calls_refused"] == 39
 
 
 def test_the_responses_api_is_served_whole_and_streamed_on_one_episode(vllm_engine):

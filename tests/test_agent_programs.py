@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from nodes.agents import runners
+from nodes.agents import programs, runners
 
 SAMPLE = {"_base_url": "http://127.0.0.1:9/episodes/0/v1", "model": "policy", "prompt": "Q", "messages": []}
 
@@ -21,7 +21,7 @@ def episode(index: int = 0) -> SimpleNamespace:
 
 def run(script: str, index: int = 0, timeout_s: float = 30.0) -> runners.Outcome:
     service = SimpleNamespace(end=lambda e: None)
-    return asyncio.run(runners.run_episode(runners.command_agent(["sh", "-c", script]), episode(index), SAMPLE,
+    return asyncio.run(runners.run_episode(programs.command_agent(["sh", "-c", script]), episode(index), SAMPLE,
                                            timeout_s, service))
 
 
@@ -35,24 +35,50 @@ def gone(pid: int) -> bool:
 
 def test_a_program_done_with_its_episode_is_not_waited_on_for_what_it_left_running(tmp_path):
     """A background job holding the program's stdout (a server, a shell's `&`) neither holds the episode
-    until its timeout nor outlives it."""
-    pid_file = tmp_path / "pid"
+    until its timeout nor outlives it; nor does one in a session of its own (a harness's command run
+    with start_new_session, a daemon), out of the program's process group."""
     began = time.monotonic()
-    outcome = run(f"cat > /dev/null; sleep 60 & echo $! > {pid_file}; echo 0.5")
+    outcome = run(f"cat > /dev/null; sleep 60 & echo $! > {tmp_path}/job; setsid sleep 61 & echo $! > {tmp_path}/own; "
+                  "sleep 0.2; echo 0.5")
     assert outcome.status == "ok" and outcome.reward == 0.5, outcome.error
     assert time.monotonic() - began < 10
-    pid = int(pid_file.read_text())
-    for _ in range(50):  # SIGKILL is sent; its delivery is the kernel's
-        if gone(pid):
-            break
-        time.sleep(0.1)
-    assert gone(pid)
+    for name in ("job", "own"):
+        pid = int((tmp_path / name).read_text())
+        for _ in range(50):  # SIGKILL is sent; its delivery is the kernel's
+            if gone(pid):
+                break
+            time.sleep(0.1)
+        assert gone(pid), name
+
+
+def test_a_program_gets_the_pythonpath_the_run_was_started_with_not_the_runs_own(monkeypatch, tmp_path):
+    """The run's processes import from its Python's sys.path (stdlib included), which a program in
+    another Python cannot import: the program gets the run's PYTHONPATH as it was started, or none."""
+    from siirl_dag.refs import importing_env
+
+    for started_with in ("", str(tmp_path)):
+        monkeypatch.setenv("PYTHONPATH", started_with)
+        monkeypatch.delenv("SIIRL_DAG_USER_PYTHONPATH", raising=False)
+        for key, value in importing_env().items():  # as the agents' process is started
+            monkeypatch.setenv(key, value)
+        assert os.environ["PYTHONPATH"] != started_with
+        seen = tmp_path / "seen"
+        outcome = run(f'echo "${{PYTHONPATH-unset}}" > {seen}; env | grep -c SIIRL_DAG_USER >> {seen}; echo 1')
+        assert outcome.status == "ok", outcome.error
+        assert seen.read_text().split() == [started_with or "unset", "0"]
 
 
 def test_a_programs_reward_is_read_whatever_it_did_with_its_stdin_and_scratch_directory():
     """Exited before the sample was written, closed its stdin unread, removed its TMPDIR."""
     outcomes = [run("echo 1"), run("exec 0<&-; echo '{\"reward\": 2}'"), run('rm -rf "$TMPDIR"; echo 3')]
     assert [(o.status, o.reward) for o in outcomes] == [("ok", 1.0), ("ok", 2.0), ("ok", 3.0)]
+
+
+def test_a_programs_fault_is_told_by_what_it_did_not_by_an_engine_line():
+    assert run("echo oops >&2; exit 3").error == "RuntimeError: sh exited with status 3: oops"
+    assert run('echo \'{"reward": 1}\' >&2').error == (
+        'ValueError: sh printed nothing on stdout (its stderr: {"reward": 1}); expected its reward as the last line of '
+        'stdout: a number, null, or {"reward": number or null, "info": {...}}')
 
 
 def test_each_episode_has_a_scratch_directory_of_its_own_removed_when_it_ends(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -428,9 +429,13 @@ def test_agents_are_checked_at_the_door(tiny_model_dir, tmp_path):
         params + ".env"]
     script = tmp_path / "agent.py"
     script.write_text("print(1)\n")
-    assert "is a file but not executable; expected an executable program (chmod +x it, or name its interpreter first: " \
-        f"[python, {script}])" in door_problems(tiny_model_dir, *swapped, f"+nodes.agent.params.agent_command=[{script}]")[
+    assert "is a file but not executable; expected an executable program (chmod +x it, with a #! line naming its " \
+        f"interpreter; or name the interpreter first, for a Python script the one whose packages it imports: [{sys.executable}, " \
+        f"{script}])" in door_problems(tiny_model_dir, *swapped, f"+nodes.agent.params.agent_command=[{script}]")[
             params + ".agent_command[0]"]
+    assert door_problems(tiny_model_dir, *swapped, f"+nodes.agent.params.agent_command=[python3, {tmp_path}/nope.py]")[
+        params + ".agent_command[1]"].startswith(f"'{tmp_path}/nope.py' is not a file; expected the script python3 runs "
+                                                 "(its path from the folder the run starts in)")
     assert "not a program found on PATH" in door_problems(
         tiny_model_dir, *swapped, "+nodes.agent.params.agent_command=[no-such-agent-program]")[params + ".agent_command[0]"]
     env = load_pipeline(OPENAI_GRAPH, [f"models.policy.path={tiny_model_dir}", *swapped,
@@ -484,6 +489,22 @@ def test_an_agent_needs_a_chat_template(tiny_model_dir, tmp_path, demo_data):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "node 'agent': the chat template of model 'policy' cannot show the messages that follow a turn" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_rollout_that_lost_everything_says_how_and_what_was_refused():
+    """Agents that caught their calls' errors and returned without a turn: the message says the calls were
+    refused and why (a conversation too long, say), not only that no turn was taken."""
+    from nodes.agents import rows
+    from nodes.agents.rollout import Finished
+    from nodes.agents.runners import Outcome
+
+    episode = SimpleNamespace(refused=2, first_refusal="400 this conversation is 152 tokens, more than the 120")
+    finished = Finished([episode, SimpleNamespace(refused=0, first_refusal="")],
+                        [Outcome("ok", 0.0), Outcome("failed", error="ValueError: x")], 0)
+    assert rows.lost_everything(finished) == (
+        "every episode of this rollout was lost (1 failed, 0 timed out, 1 returned without a turn of the model's); the "
+        "first: ValueError: x; 2 of their calls were refused, the first: 400 this conversation is 152 tokens, more than "
+        "the 120")
 
 
 def test_a_lost_episodes_error_names_the_agents_own_line_not_the_librarys():

@@ -185,6 +185,21 @@ def _rank_workers() -> set[int]:
     return set(_descendants(os.getpid(), lambda p: (p.cmdline() or [""])[0].startswith("ray::RankWorker")))
 
 
+def test_a_failure_a_node_tells_whole_comes_without_the_engines_traceback(tmp_path):
+    """NodeFailure (a rollout that lost every episode to the user's agent): its message, then the rank's log."""
+    pipe = pipeline(tmp_path, """
+        meshes: {a: "megatron:d1"}
+        nodes:
+          - {id: gen, kind: t_expand, mesh: a, model: m}
+          - {id: bad, kind: t_fail, deps: [gen], params: {told: true}}
+        """, "runtime.backend=local")
+    with Runtime(pipe, progress=lambda *_: None) as rt, pytest.raises(PipelineError) as info:
+        rt.run_step(prompts(2), step=1)
+    msg = str(info.value)
+    assert msg.startswith("step 1: node 'bad' failed on rank 0 (host ")
+    assert msg.endswith("every episode was lost; the first: the agent raised") and "Traceback" not in msg
+
+
 @pytest.mark.engines
 @pytest.mark.usefixtures("ray_session")
 def test_a_start_that_fails_leaves_no_workers(tmp_path, monkeypatch):

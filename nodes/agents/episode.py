@@ -84,6 +84,7 @@ class Episode:
         self.ended = False  # the agent returned, failed or ran out of time: its key is revoked
         self.turns = self.tool_calls = self.sampling_overridden = 0
         self.past_limits = 0  # calls answered empty: past max_turns, or no room left in the response budget
+        self.refused, self.first_refusal = 0, ""  # calls answered with an error (a conversation too long, a bad request)
         self._calls = 0  # calls planned: each call's number (its turn's seed, its answer's ids) is its own
         self.endpoint_seconds: list[float] = []
         self.calls: set = set()  # its calls in flight (asyncio tasks), cancelled when it ends
@@ -180,9 +181,15 @@ class Episode:
         self.turns += 1
         self.release(planned)
 
+    def refuse(self, why: str) -> None:
+        """One of its calls was answered with an error (`why`)."""
+        self.refused += 1
+        self.first_refusal = self.first_refusal or why
+
     def record(self) -> EpisodeRecord:
         return EpisodeRecord(self.index, self.prompt_index, self.segments, self.turns, self.tool_calls,
-                             self.prefix_breaks, self.sampling_overridden, self.endpoint_seconds, self.past_limits)
+                             self.prefix_breaks, self.sampling_overridden, self.endpoint_seconds, self.past_limits,
+                             self.refused, self.first_refusal)
 
 
 @dataclass
@@ -198,6 +205,13 @@ class EpisodeRecord:
     sampling_overridden: int
     endpoint_seconds: list[float]
     past_limits: int
+    refused: int  # calls answered with an error
+    first_refusal: str  # the first one's message
+
+    @classmethod
+    def unheard(cls, index: int, prompt_index: int) -> EpisodeRecord:
+        """An episode whose record never came back (its agents' process was stopped or died)."""
+        return cls(index, prompt_index, [], 0, 0, 0, 0, [], 0, 0, "")
 
     def rows(self) -> list[Segment]:
         """The segments that hold a turn of the model's: the episode's training rows, the one with its

@@ -25,6 +25,7 @@ from nodes.agents import agent_processes, engine_link
 from nodes.agents.episode import EpisodeRecord, Limits
 from nodes.agents.runners import Outcome
 from nodes.agents.worker import RolloutSpec
+from siirl_dag.refs import importing_env
 
 log = logging.getLogger(__name__)
 SHOWN_ERRORS = 3  # lost episodes logged in full per rollout
@@ -43,8 +44,7 @@ class AgentsProcess:
 
     def __init__(self, tokenizer_path: str):
         ours, theirs = socket.socketpair()
-        paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]  # what this process imports
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        env = {**os.environ, **importing_env()}  # what this process imports
         self.proc = subprocess.Popen([sys.executable, "-m", "nodes.agents.worker", str(theirs.fileno()), tokenizer_path],
                                      pass_fds=[theirs.fileno()], env=env)
         theirs.close()
@@ -146,7 +146,7 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
         log.error("%s; this rollout's episodes are lost, and the processes are started anew", why)
         _stop(node)
         indexes = [i for i in range(len(samples)) for _ in range(n)]
-        return Finished([EpisodeRecord(k, i, [], 0, 0, 0, 0, [], 0) for k, i in enumerate(indexes)],
+        return Finished([EpisodeRecord.unheard(k, i) for k, i in enumerate(indexes)],
                         [Outcome("timeout" if "deadline" in why else "failed", error=why) for _ in indexes], 0)
     results, peak = found
     by_index = {record.index: (record, outcome) for records, outcomes in results for record, outcome in zip(records, outcomes)}
@@ -208,12 +208,17 @@ def samples_of(batch: Any, model: str) -> list[dict]:
 
 
 def log_failures(finished: Finished, node: str) -> None:
-    """The first lost episodes' errors, and calls answered empty past the episodes' limits, in the rank's log."""
+    """The first lost episodes' errors, calls answered empty past the episodes' limits and calls refused, in
+    the rank's log."""
     cut = [e for e in finished.episodes if e.past_limits]
     if cut:
         log.warning("%d call(s) of %d episode(s) came past the episode's limits and were answered empty (finish_reason "
                     "length): past nodes.%s.params.max_turns, or without room left in data.max_response_length; raise "
                     "them for longer episodes (agent/calls_past_limits)", sum(e.past_limits for e in cut), len(cut), node)
+    refused = [e for e in finished.episodes if e.refused]
+    if refused:
+        log.warning("%d call(s) of %d episode(s) were answered with an error (agent/calls_refused); the first: %s",
+                    sum(e.refused for e in refused), len(refused), refused[0].first_refusal)
     lost = [(e, o) for e, o in zip(finished.episodes, finished.outcomes) if o.status != "ok"]
     for episode, outcome in lost[:SHOWN_ERRORS]:
         log.warning("agent episode %d (prompt %d) lost, %s: %s", episode.index, episode.prompt_index, outcome.status,

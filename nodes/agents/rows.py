@@ -49,8 +49,12 @@ def lost_everything(finished: Finished) -> str:
     """The message of a rollout none of whose episodes gave a row."""
     counts = {s: sum(o.status == s for o in finished.outcomes) for s in ("failed", "timeout")}
     first = next((o.error for o in finished.outcomes if o.error), "every agent returned without a turn of the model's")
+    refused = [e for e in finished.episodes if e.refused]
+    told = (f"; {sum(e.refused for e in refused)} of their calls were refused, the first: {refused[0].first_refusal}"
+            if refused else "")
     return (f"every episode of this rollout was lost ({counts['failed']} failed, {counts['timeout']} timed out, "
-            f"{len(finished.outcomes) - sum(counts.values())} returned without calling the model); the first: {first}")
+            f"{len(finished.outcomes) - sum(counts.values())} returned without a turn of the model's); the first: "
+            f"{first}{told}")
 
 
 def metrics(finished: Finished, rows: Rows, prompts: int, validating: bool) -> dict[str, float]:
@@ -67,6 +71,7 @@ def metrics(finished: Finished, rows: Rows, prompts: int, validating: bool) -> d
            TIMEOUTS: float(sum(o.status == "timeout" for o in outcomes)),
            "agent/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
            "agent/calls_past_limits": float(sum(e.past_limits for e in episodes)),
+           "agent/calls_refused": float(sum(e.refused for e in episodes)),
            "agent/endpoint_s/mean": sum(seconds) / len(seconds) if seconds else 0.0,
            "agent/sampling_overridden": float(sum(e.sampling_overridden for e in episodes)),
            "agent/in_flight/max": float(finished.peak_in_flight)}

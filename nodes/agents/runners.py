@@ -1,17 +1,14 @@
-"""The user's agents, one run per episode: a Python `solve(client, sample)`, a program, or an
-environment driven by the engine's own loop. Whatever an agent does (raises, hangs, exits non-zero,
+"""The user's agents, one run per episode: a Python `solve(client, sample)`, a program (programs.py), or
+an environment driven by the engine's own loop. Whatever an agent does (raises, hangs, exits non-zero,
 prints garbage) costs its episode only: the run goes on."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import math
 import os
-import signal
 import sysconfig
-import tempfile
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +21,7 @@ from nodes.agents.openai_api import Request
 from nodes.agents.server import Endpoint
 from nodes.agents.service import Service
 
-KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last ones)
+HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the agents' modules: never the agent's own line
 REWARD_SHAPE = "a number, null, or {\"reward\": number or null, \"info\": {...}}"
 
 
@@ -63,12 +60,12 @@ def reward_of(value: Any) -> tuple[float | None, dict]:
     info = {}
     if isinstance(value, dict):
         if "reward" not in value or not isinstance(value.get("info", {}), dict):
-            raise ValueError(f"the agent returned {_short(value)}; expected {REWARD_SHAPE}")
+            raise ValueError(f"the agent returned {brief(value)}; expected {REWARD_SHAPE}")
         value, info = value["reward"], value.get("info", {})
     if value is None:
         return None, info
     if not isinstance(value, (int, float)):
-        raise ValueError(f"the agent returned {_short(value)}; expected {REWARD_SHAPE}")
+        raise ValueError(f"the agent returned {brief(value)}; expected {REWARD_SHAPE}")
     if not math.isfinite(value):
         raise ValueError(f"the agent returned the reward {value}; expected a finite number")
     return float(value), info
@@ -90,7 +87,7 @@ def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
             async with httpx.AsyncClient(transport=transport, timeout=None) as http:
                 client = openai.AsyncOpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http,
                                             max_retries=0)
-                return await solve(client, _public(sample))
+                return await solve(client, public_sample(sample))
 
         return run
 
@@ -100,7 +97,7 @@ def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
         def run() -> Any:
             with httpx.Client(transport=transport, timeout=None) as http:
                 client = openai.OpenAI(base_url=sample["_base_url"], api_key=episode.key, http_client=http, max_retries=0)
-                result = solve(client, _public(sample))
+                result = solve(client, public_sample(sample))
             if inspect.isawaitable(result):
                 getattr(result, "close", lambda: None)()
                 raise TypeError("solve returned an awaitable, though it is not an async function (a decorator may "
@@ -114,44 +111,6 @@ def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:
             thread.shutdown(wait=False)  # a late one is left to itself
 
     return run_in_thread
-
-
-def command_agent(argv: list[str]) -> Agent:
-    """A program per episode: OPENAI_BASE_URL and OPENAI_API_KEY (and Anthropic's two) in its environment, the sample as JSON on
-    stdin (a program may leave it unread); its last line on stdout is its reward (JSON). TMPDIR is a directory
-    of the episode's own, removed when it ends. The program's process group is stopped when it exits (what
-    it left running: a server, a shell's background job) and when it is late."""
-
-    async def run(episode: Episode, sample: dict) -> Any:
-        with tempfile.TemporaryDirectory(prefix=f"episode-{episode.index}-", ignore_cleanup_errors=True) as own:
-            scratch = os.path.join(own, "tmp")
-            os.mkdir(scratch)
-            env = {**os.environ, "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key,
-                   "ANTHROPIC_BASE_URL": sample["_base_url"].removesuffix("/v1"), "ANTHROPIC_API_KEY": episode.key,
-                   "TMPDIR": scratch}
-            # stdout and stderr go to files, not pipes: a process the program leaves behind holds no pipe open
-            # that the episode would wait on
-            with open(os.path.join(own, "stdout"), "w+b") as out, open(os.path.join(own, "stderr"), "w+b") as err:
-                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
-                                                            env=env, start_new_session=True)
-                try:
-                    await _send(proc.stdin, json.dumps(_public(sample), default=str).encode())
-                    code = await proc.wait()
-                finally:
-                    _kill(proc)  # the episode is over (or late): what the program left running goes with it
-                    await proc.wait()
-                out, err = _tail(out), _tail(err)
-        if code != 0:
-            raise RuntimeError(f"{argv[0]} exited with status {code}: {_last_lines(err)}")
-        lines = [line for line in out.decode("utf-8", "replace").splitlines() if line.strip()]
-        if not lines:
-            raise ValueError(f"{argv[0]} printed nothing; expected its reward as the last line of stdout: {REWARD_SHAPE}")
-        try:
-            return json.loads(lines[-1])
-        except ValueError:
-            raise ValueError(f"{argv[0]}'s last line of stdout is {_short(lines[-1])}; expected {REWARD_SHAPE}") from None
-
-    return run
 
 
 def env_agent(make_env: Callable[[], Any], service: Service) -> Agent:
@@ -183,7 +142,7 @@ def env_agent(make_env: Callable[[], Any], service: Service) -> Agent:
 
 async def _steps(env: Any, episode: Episode, sample: dict, call: Callable, service: Service) -> float:
     """An environment's turns until it is done or the episode has no turn left: the sum of its rewards."""
-    messages = observation_messages(await call(env.reset, _public(sample))) or list(sample["messages"])
+    messages = observation_messages(await call(env.reset, public_sample(sample))) or list(sample["messages"])
     total = 0.0
     while True:
         turns = episode.turns
@@ -210,7 +169,7 @@ def observation_messages(obs: Any) -> list[dict]:
             return [openai_api.message(m, i) for i, m in enumerate(items)]
         except openai_api.ApiError as exc:
             raise ValueError(f"the environment's observation: {exc.message}") from None
-    raise ValueError(f"the environment returned the observation {_short(obs)}; expected text, a message "
+    raise ValueError(f"the environment returned the observation {brief(obs)}; expected text, a message "
                      "{'role': ..., 'content': ...} or a list of them")
 
 
@@ -225,52 +184,25 @@ def step_result(result: Any) -> tuple[Any, float, bool]:
             value = math.nan
         if math.isfinite(value):
             return obs, value, done
-    raise ValueError(f"the environment's step returned {_short(result)}; expected (observation, reward, done) "
+    raise ValueError(f"the environment's step returned {brief(result)}; expected (observation, reward, done) "
                      "with a finite reward")
 
 
-def _public(sample: dict) -> dict:
+def public_sample(sample: dict) -> dict:
     return {k: v for k, v in sample.items() if not k.startswith("_")}
-
-
-def _tail(file: Any) -> bytes:
-    """The last KEEP_OUTPUT bytes a program wrote to `file`."""
-    file.seek(max(0, os.fstat(file.fileno()).st_size - KEEP_OUTPUT))
-    return file.read()
-
-
-async def _send(stdin: asyncio.StreamWriter, data: bytes) -> None:
-    """`data` to a program's stdin, then its end; a program that exits without reading it is not at fault."""
-    try:
-        stdin.write(data)
-        await stdin.drain()
-        stdin.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-
-
-def _kill(proc: Any) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _last_lines(err: bytes, n: int = 5) -> str:
-    lines = err.decode("utf-8", "replace").strip().splitlines()[-n:]
-    return " | ".join(lines) if lines else "(nothing on stderr)"
 
 
 def _described(exc: BaseException) -> str:
     """The exception and where in the agent it was raised: the last frame of the user's code, not of a
-    library it called (the `openai` client raising on a 404, say)."""
+    library it called (the `openai` client raising on a 404, say) nor of these modules (a program's
+    fault is told by its message)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    libraries = tuple(sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib"))
-    own = [f for f in frames if not f.filename.startswith(libraries)] or frames
+    libraries = tuple(sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")) + (HERE,)
+    own = [f for f in frames if not f.filename.startswith(libraries)]
     where = f" (at {own[-1].filename}:{own[-1].lineno})" if own else ""
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _short(value: Any) -> str:
+def brief(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:120] + "..."

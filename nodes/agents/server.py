@@ -103,6 +103,7 @@ class Endpoint:
         route = ROUTE.fullmatch(path)
         call = None if route is None else "models" if route["model"] is not None else route["call"]
         anthropic = call in ("messages", "messages/count_tokens") or "anthropic-version" in headers
+        episode = None
         try:
             if route is None:
                 raise ApiError(404, f"no such path: {path}; expected /v1/chat/completions, /v1/completions, "
@@ -134,6 +135,8 @@ class Endpoint:
             req = openai_api.read(parsed, self.service.model, chat)
             answer = await (self.service.chat if chat else self.service.complete)(episode, req)
         except ApiError as exc:
+            if episode is not None:  # the episode's own call was refused (not a stranger's key)
+                episode.refuse(f"{exc.status} {exc.message}")
             return Reply(exc.status, messages_api.error_body(exc) if anthropic else exc.body())
         return Reply(200, answer, openai_api.stream_chunks(answer, req.include_usage) if req.stream else None)
 

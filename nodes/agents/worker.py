@@ -16,7 +16,7 @@ import socket
 import traceback
 from typing import Any
 
-from nodes.agents import runners
+from nodes.agents import programs, runners
 from nodes.agents.engine_link import AgentsEnd
 from nodes.agents.episode import Episode, Limits
 from nodes.agents.server import Endpoint
@@ -83,7 +83,7 @@ class Agents:
         if p.get("agent"):
             return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint)
         if p.get("agent_command"):
-            return runners.command_agent(p["agent_command"])
+            return programs.command_agent(p["agent_command"])
         env_class, kwargs = user_ref(p["env"], "environment", {}), dict(p["env_kwargs"])
         return runners.env_agent(lambda: env_class(**kwargs), service)
 

@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from siirl_dag.refs import importing_env
 from siirl_dag.runtime import machines
 from siirl_dag.runtime.fan_out import Fanned, FanOut, Held, RankLeader, values
 from siirl_dag.runtime.worker import RankWorker
@@ -119,8 +120,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, log_to_dri
         reaper.guard()  # the Ray about to start, and all it starts, ends with this process (a SIGKILL included)
         kwargs["address"] = "local"  # a new Ray of its own, never a cluster this machine already runs (ray start)
         # workers import the same code the driver sees (the checkout, user kinds, tests)
-        paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-        kwargs.update(num_cpus=num_cpus, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}},
+        kwargs.update(num_cpus=num_cpus, runtime_env={"env_vars": importing_env()},
                       # Ray batches object frees for up to 1 s, so every step's outputs
                       # land on untouched shared memory and pay its page faults (up to 10x
                       # a warm copy on a VM); freed promptly, the store reuses warm pages

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from siirl_dag import console
+from siirl_dag.errors import NodeFailure
 from siirl_dag.refs import import_ref
 from siirl_dag.runtime import fan_out, host_malloc
 from siirl_dag.runtime.batch import Batch, row_tokens, version_counts
@@ -129,6 +130,8 @@ class RankWorker(SyncRank):
                               segment_tokens=segment_tokens, resuming=resuming)
             out = role.kind.fn(batch, ctx) or {}
             result = _checked(role, batch, out)
+        except NodeFailure as exc:  # its message tells it: the engine's traceback would only hide it
+            raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(str(exc))) from None
         except Exception:  # noqa: BLE001 - report any failure of user code with where it happened
             raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(traceback.format_exc())) from None
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,

@@ -69,7 +69,8 @@ class ConfigError(ValueError):
 
 class NodeFailure(RuntimeError):
     """Raised by a node whose failure its message tells whole, the fault being the user's agent, data or
-    settings (a rollout that lost every episode): reported with that message, without the engine's traceback."""
+    settings (a rollout that lost every episode): reported with that message and where the rank's log is,
+    without the engine's traceback."""
 
 
 class PipelineError(RuntimeError):

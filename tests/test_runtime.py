@@ -186,7 +186,7 @@ def _rank_workers() -> set[int]:
 
 
 def test_a_failure_a_node_tells_whole_comes_without_the_engines_traceback(tmp_path):
-    """NodeFailure (a rollout that lost every episode to the user's agent): its message, then the rank's log."""
+    """NodeFailure (a rollout that lost every episode to the user's agent): its message, no traceback."""
     pipe = pipeline(tmp_path, """
         meshes: {a: "megatron:d1"}
         nodes:

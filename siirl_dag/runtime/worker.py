@@ -130,8 +130,9 @@ class RankWorker(SyncRank):
                               segment_tokens=segment_tokens, resuming=resuming)
             out = role.kind.fn(batch, ctx) or {}
             result = _checked(role, batch, out)
-        except NodeFailure as exc:  # its message tells it: the engine's traceback would only hide it
-            raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(str(exc))) from None
+        except NodeFailure as exc:  # its message tells it: the engine's traceback and log would only hide it
+            where = f"\n(the rank's log: {self.log_file})" if self.log_file else ""
+            raise NodeError(node_id, self.rank, socket.gethostname(), f"{exc}{where}") from None
         except Exception:  # noqa: BLE001 - report any failure of user code with where it happened
             raise NodeError(node_id, self.rank, socket.gethostname(), self._with_log(traceback.format_exc())) from None
         info = {"rows": result.num_rows, "keys": sorted(result), "metrics": ctx.metrics,

@@ -23,7 +23,7 @@ import sys
 from jinja2 import TemplateError
 
 from nodes import agent_loop
-from nodes.agents import FAILED, TIMEOUTS, agent_processes
+from nodes.agents import FAILED, REFUSED, TIMEOUTS, agent_processes
 from nodes.chat_render import ChatRender
 from nodes.rollout import PRODUCES, _lengths_fit, _prompt_lengths, _prompts_fit, weight_versions
 from nodes.tool_calls import Observations
@@ -160,7 +160,7 @@ def _template_fits(node, pipeline, data) -> list[str]:
 
 @node_kind("agent_rollout", consumes=("raw_prompt",), produces=_produces, strategies=("vllm",),
            params_schema="agent_rollout", check=_check, expands=True, check_data=_template_fits,
-           prompt_lengths=_prompt_lengths, describe=_describe, shown=(FAILED, TIMEOUTS))
+           prompt_lengths=_prompt_lengths, describe=_describe, shown=(FAILED, TIMEOUTS, REFUSED))
 def agent_rollout(batch, ctx):
     """Trajectories of up to max_turns turns (n per prompt; one in validation, at val_temperature)."""
     ctx.check_weights_version()

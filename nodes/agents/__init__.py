@@ -1,9 +1,10 @@
 """The user's own agents in an agent_rollout: an OpenAI-compatible endpoint served from the rollout's
 engine (server.py, service.py, openai_api.py), token-faithful episodes (episode.py), the agents run
-per episode (runners.py), and the rollout that ties them together (rollout.py, rows.py). Here: what the
+per episode (runners.py; programs: programs.py), and the rollout that ties them together (rollout.py, rows.py). Here: what the
 node (nodes/agent_rollout.py, read by `plan`) and its rollout share, without importing the endpoint."""
 
-FAILED, TIMEOUTS = "agent/failed", "agent/timeouts"  # episodes lost (rows.metrics): on the console's line of each step too
+# episodes lost, and calls answered with an error (rows.metrics): on the console's line of each step too
+FAILED, TIMEOUTS, REFUSED = "agent/failed", "agent/timeouts", "agent/calls_refused"
 
 # agent_processes: auto, by the engine's device. On a CPU the engine's threads take the rank's cores; on a
 # GPU the engine waits on the agents' Python instead (docs/BENCHMARKS.md: busy agents in one process and in

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodes.agents import FAILED, TIMEOUTS
+from nodes.agents import FAILED, REFUSED, TIMEOUTS
 from nodes.agents.rollout import Finished
 from siirl_dag.strategies.samples import Sample
 
@@ -71,7 +71,7 @@ def metrics(finished: Finished, rows: Rows, prompts: int, validating: bool) -> d
            TIMEOUTS: float(sum(o.status == "timeout" for o in outcomes)),
            "agent/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
            "agent/calls_past_limits": float(sum(e.past_limits for e in episodes)),
-           "agent/calls_refused": float(sum(e.refused for e in episodes)),
+           REFUSED: float(sum(e.refused for e in episodes)),
            "agent/endpoint_s/mean": sum(seconds) / len(seconds) if seconds else 0.0,
            "agent/sampling_overridden": float(sum(e.sampling_overridden for e in episodes)),
            "agent/in_flight/max": float(finished.peak_in_flight)}

@@ -34,8 +34,8 @@ from siirl_dag.registry import node_kind
 
 STOP = "</tool_call>"  # a turn with a call ends there, and the tools answer
 AGENT_KEYS = ("agent_reward", "episode")
-MODES = ("agent", "agent_command", "env")
-INTERPRETER = re.compile(r"(python|pypy)[0-9.]*|node|bash|sh|zsh|ruby|perl|Rscript")  # argv[1]: the script it runs  # the user's own agents (nodes/agents)
+MODES = ("agent", "agent_command", "env")  # the user's own agents (nodes/agents)
+INTERPRETER = re.compile(r"(python|pypy)[0-9.]*|node|bash|sh|zsh|ruby|perl|Rscript")  # argv[1]: the script it runs
 ONE_OF = ("tools",) + MODES
 
 

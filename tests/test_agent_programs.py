@@ -1,14 +1,18 @@
 """Agent programs (`params.agent_command`) as processes, without an engine (these make no calls): what a
-program leaves running, a sample it never reads, its scratch directory, a late one. The calls a program
-makes are tested through the endpoint (test_agent_endpoint.py)."""
+program leaves running, a sample it never reads, its scratch directory, a late one, an agents' process
+stopped under its programs. The calls a program makes are tested through the endpoint
+(test_agent_endpoint.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from nodes.agents import programs, runners
 
@@ -19,10 +23,9 @@ def episode(index: int = 0) -> SimpleNamespace:
     return SimpleNamespace(index=index, key=f"sk-episode-{index}")
 
 
-def run(script: str, index: int = 0, timeout_s: float = 30.0) -> runners.Outcome:
-    service = SimpleNamespace(end=lambda e: None)
-    return asyncio.run(runners.run_episode(programs.command_agent(["sh", "-c", script]), episode(index), SAMPLE,
-                                           timeout_s, service))
+def run(script: str, index: int = 0, timeout_s: float = 30.0, sample: dict = SAMPLE) -> runners.Outcome:
+    agent = programs.command_agent(["sh", "-c", script], tempfile.gettempdir())
+    return asyncio.run(runners.run_episode(agent, episode(index), sample, timeout_s, SimpleNamespace(end=lambda e: None)))
 
 
 def gone(pid: int) -> bool:
@@ -69,9 +72,24 @@ def test_a_program_gets_the_pythonpath_the_run_was_started_with_not_the_runs_own
 
 
 def test_a_programs_reward_is_read_whatever_it_did_with_its_stdin_and_scratch_directory():
-    """Exited before the sample was written, closed its stdin unread, removed its TMPDIR."""
-    outcomes = [run("echo 1"), run("exec 0<&-; echo '{\"reward\": 2}'"), run('rm -rf "$TMPDIR"; echo 3')]
-    assert [(o.status, o.reward) for o in outcomes] == [("ok", 1.0), ("ok", 2.0), ("ok", 3.0)]
+    """Exited before reading its sample, closed its stdin unread, removed its TMPDIR, left a child holding
+    its stdin while its sample is larger than a pipe holds."""
+    outcomes = [run("echo 1"), run("exec 0<&-; echo '{\"reward\": 2}'"), run('rm -rf "$TMPDIR"; echo 3'),
+                run("sleep 30 & echo 4", sample={**SAMPLE, "prompt": "Q" * 2**20}, timeout_s=10.0)]
+    assert [(o.status, o.reward) for o in outcomes] == [("ok", 1.0), ("ok", 2.0), ("ok", 3.0), ("ok", 4.0)]
+
+
+def test_the_reward_is_what_the_program_wrote_by_its_exit_not_what_it_left_running_wrote_after(tmp_path):
+    """A server it started in a session of its own, logging to the stdout it inherited once the program
+    has gone (while the episode's leftovers are looked for), does not replace the reward."""
+    outcome = run("setsid sh -c 'while kill -0 $0 2>/dev/null; do sleep 0.01; done; sleep 0.05; while :; do echo beat; "
+                  "done' $$ & echo 0.5")
+    assert (outcome.status, outcome.reward) == ("ok", 0.5), outcome.error
+
+
+def test_a_reward_past_a_floats_range_loses_its_episode_only():
+    outcome = run("echo 1" + "0" * 400)
+    assert outcome.status == "failed" and "expected a finite number" in outcome.error
 
 
 def test_a_programs_fault_is_told_by_what_it_did_not_by_an_engine_line():
@@ -87,9 +105,39 @@ def test_each_episode_has_a_scratch_directory_of_its_own_removed_when_it_ends(tm
     seen = []
     for index, (script, status) in enumerate([("echo 1", "ok"), ("exit 3", "failed"), ("sleep 30", "timeout")]):
         where = tmp_path / f"where-{index}"
-        outcome = run(f"echo $TMPDIR > {where}; mktemp > /dev/null; {script}", index, timeout_s=2.0)
+        outcome = run(f'echo $TMPDIR > {where}; [ "$TMUX_TMPDIR" = "$TMPDIR" ] || exit 9; mktemp > /dev/null; {script}', index,
+                      timeout_s=2.0)
         assert outcome.status == status
         scratch = where.read_text().strip()
         seen.append(scratch)
         assert f"episode-{index}-" in scratch and not os.path.exists(Path(scratch).parent)
     assert len(set(seen)) == 3
+
+
+@pytest.mark.engines  # an agents' process of its own: too slow for `make test-fast`
+def test_an_agents_process_killed_under_its_programs_leaves_nothing_of_theirs(tiny_model_dir, tmp_path):
+    """An agents' process stopped mid-rollout (killed: past its episodes' timeouts, or from outside) cannot
+    see to its programs; the rank that started it stops them, and what they started, and removes their files."""
+    import signal
+
+    from nodes.agents.episode import Limits
+    from nodes.agents.rollout import AgentsProcess
+    from nodes.agents.worker import RolloutSpec
+
+    process = AgentsProcess(tiny_model_dir)
+    script = f"setsid sleep 60 & echo $! > {tmp_path}/$$; sleep 60"
+    params = {"agent": None, "agent_command": ["sh", "-c", script], "env": None, "concurrency": 2, "timeout_s": 120.0,
+              "max_request_mb": 1, "host": None, "env_kwargs": {}}
+    sample = {"model": "policy", "prompt": "Q", "messages": [{"role": "user", "content": "Q"}], "ground_truth": "",
+              "data_source": "test", "extra_info": {}}
+    process.link.send(("rollout", RolloutSpec(params, [sample], 2, [0, 1], Limits(64, 64, 2, 8), "policy", 1)))
+    for _ in range(600):  # the process imports, then starts both programs
+        if len(list(tmp_path.iterdir())) == 2 and all(p.read_text().strip() for p in tmp_path.iterdir()):
+            break
+        time.sleep(0.1)
+    started = [int(p.name) for p in tmp_path.iterdir()] + [int(p.read_text()) for p in tmp_path.iterdir()]
+    assert len(started) == 4 and os.listdir(process.scratch)
+    os.kill(process.proc.pid, signal.SIGKILL)
+    process.stop()
+    time.sleep(0.2)
+    assert [pid for pid in started if not gone(pid)] == [] and not os.path.exists(process.scratch)

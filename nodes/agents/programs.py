@@ -2,10 +2,13 @@
 
 The program gets the episode's address and key (OPENAI_BASE_URL / OPENAI_API_KEY, and Anthropic's two)
 in the environment the run was started with (its PYTHONPATH, not the run's Python's), the sample as
-JSON on stdin (it may leave it unread), and a scratch directory of the episode's own as TMPDIR; its
-last line on stdout is its reward (JSON). Whatever it leaves running goes with its episode: its process
-group, and what left the group (a command run in a session of its own, a daemon) by the mark its
-environment carries. Its output goes to files, not pipes, so nothing it leaves holds the episode open.
+JSON on stdin (it may leave it unread), and a scratch directory of the episode's own as TMPDIR (and
+TMUX_TMPDIR: a terminal multiplexer's server is the episode's too); its last line on stdout is its
+reward (JSON). Whatever it leaves running goes with its episode: its process group, and what left the
+group (a command run in a session of its own, a daemon) by the mark its environment carries; a process
+that clears its environment as it leaves cannot be told apart (a container is its daemon's). Its stdin,
+stdout and stderr are files, not pipes, so nothing it leaves behind holds the episode open, and its
+reward is what it wrote by the time it exited.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import tempfile
 from typing import Any
@@ -28,35 +32,44 @@ KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last
 EPISODE_MARK = "SIIRL_DAG_EPISODE"  # in a program's environment, inherited by what it starts
 
 
-def command_agent(argv: list[str]) -> Agent:
-    """`argv` run once per episode (no shell)."""
+def command_agent(argv: list[str], scratch_root: str) -> Agent:
+    """`argv` run once per episode (no shell); each episode's files in a directory under `scratch_root`
+    (its agents' process's: removed with it, should the process be stopped before its episodes are)."""
 
     async def run(episode: Episode, sample: dict) -> Any:
         mark = f"{os.getpid()}-{episode.index}-{secrets.token_hex(4)}"
-        with tempfile.TemporaryDirectory(prefix=f"episode-{episode.index}-", ignore_cleanup_errors=True) as own:
+        own = tempfile.mkdtemp(prefix=f"episode-{episode.index}-", dir=scratch_root)
+        try:
             scratch = os.path.join(own, "tmp")
             os.mkdir(scratch)
+            given = os.path.join(own, "sample.json")
+            with open(given, "w") as f:
+                json.dump(public_sample(sample), f, default=str)
             env = {**user_program_env(), "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key,
                    "ANTHROPIC_BASE_URL": sample["_base_url"].removesuffix("/v1"), "ANTHROPIC_API_KEY": episode.key,
-                   "TMPDIR": scratch, EPISODE_MARK: mark}
-            with open(os.path.join(own, "stdout"), "w+b") as out, open(os.path.join(own, "stderr"), "w+b") as err:
-                proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err,
-                                                            env=env, start_new_session=True)
+                   "TMPDIR": scratch, "TMUX_TMPDIR": scratch, EPISODE_MARK: mark}
+            with open(given, "rb") as stdin, open(os.path.join(own, "stdout"), "w+b") as out, \
+                    open(os.path.join(own, "stderr"), "w+b") as err:
+                proc = await asyncio.create_subprocess_exec(*argv, stdin=stdin, stdout=out, stderr=err, env=env,
+                                                            start_new_session=True)
                 try:
-                    await _send(proc.stdin, json.dumps(public_sample(sample), default=str).encode())
                     code = await proc.wait()
+                    said = os.fstat(out.fileno()).st_size  # by its exit (what it left running may write on)
                 finally:  # returned, failed or late, the episode is over: what the program left running goes with it
                     _kill_group(proc.pid)
                     await proc.wait()
-                    await asyncio.to_thread(_stop_marked, mark)
-                out, err = _tail(out), _tail(err)
-        return _reward_line(argv[0], code, out, err)
+                    await asyncio.to_thread(stop_marked, mark)
+                out, err = _tail(out, said), _tail(err, os.fstat(err.fileno()).st_size)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, own, True)  # off the loop: a checkout's files take a while
+        return _reward_line(argv[0], code, out, err, said > KEEP_OUTPUT)
 
     return run
 
 
-def _reward_line(program: str, code: int, out: bytes, err: bytes) -> Any:
-    """What a program that ended with `code` reported: its last line on stdout, as JSON."""
+def _reward_line(program: str, code: int, out: bytes, err: bytes, cut: bool) -> Any:
+    """What a program that ended with `code` reported: its last line on stdout, as JSON (`cut`: `out` is
+    the last KEEP_OUTPUT bytes of more)."""
     if code != 0:
         raise RuntimeError(f"{program} exited with status {code}: {_last_lines(err)}")
     lines = [line for line in out.decode("utf-8", "replace").splitlines() if line.strip()]
@@ -66,17 +79,8 @@ def _reward_line(program: str, code: int, out: bytes, err: bytes) -> Any:
     try:
         return json.loads(lines[-1])
     except ValueError:
-        raise ValueError(f"{program}'s last line of stdout is {brief(lines[-1])}; expected {REWARD_SHAPE}") from None
-
-
-async def _send(stdin: asyncio.StreamWriter, data: bytes) -> None:
-    """`data` to a program's stdin, then its end; a program that exits without reading it is not at fault."""
-    try:
-        stdin.write(data)
-        await stdin.drain()
-        stdin.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass
+        kept = f" (of its last {KEEP_OUTPUT // 1024} KiB, all that is read)" if cut and len(lines) == 1 else ""
+        raise ValueError(f"{program}'s last line of stdout{kept} is {brief(lines[-1])}; expected {REWARD_SHAPE}") from None
 
 
 def _kill_group(pid: int) -> None:
@@ -86,20 +90,28 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _stop_marked(mark: str) -> None:
-    """Processes whose environment carries `mark`: what the episode's program started that left its group."""
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get(EPISODE_MARK) == mark:
-                proc.kill()
-        except (psutil.Error, OSError):
-            continue
+def stop_marked(mark: str, passes: int = 5) -> None:
+    """Kill the processes whose environment's mark starts with `mark` (an episode's whole mark; an agents'
+    process's pid and a dash: all its episodes'): what the programs started that left their groups. Again
+    while a pass finds some (one that forks as it is looked for)."""
+    for _ in range(passes):
+        found = 0
+        for proc in psutil.process_iter():
+            try:
+                carried = proc.environ().get(EPISODE_MARK)
+                if carried and carried.startswith(mark):
+                    proc.kill()
+                    found += 1
+            except (psutil.Error, OSError):
+                continue
+        if not found:
+            return
 
 
-def _tail(file: Any) -> bytes:
-    """The last KEEP_OUTPUT bytes a program wrote to `file`."""
-    file.seek(max(0, os.fstat(file.fileno()).st_size - KEEP_OUTPUT))
-    return file.read()
+def _tail(file: Any, size: int) -> bytes:
+    """The last KEEP_OUTPUT bytes of the first `size` a program wrote to `file`."""
+    file.seek(max(0, size - KEEP_OUTPUT))
+    return file.read(min(size, KEEP_OUTPUT))
 
 
 def _last_lines(err: bytes, n: int = 5) -> str:

@@ -12,16 +12,18 @@ import atexit
 import logging
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from nodes import templates
-from nodes.agents import agent_processes, engine_link
+from nodes.agents import agent_processes, engine_link, programs
 from nodes.agents.episode import EpisodeRecord, Limits
 from nodes.agents.runners import Outcome
 from nodes.agents.worker import RolloutSpec
@@ -40,17 +42,21 @@ class Finished:
 
 
 class AgentsProcess:
-    """`python -m nodes.agents.worker`, linked to this process by a socket pair."""
+    """`python -m nodes.agents.worker`, linked to this process by a socket pair; its agent programs' files
+    in a scratch folder of its own."""
 
     def __init__(self, tokenizer_path: str):
         ours, theirs = socket.socketpair()
         env = {**os.environ, **importing_env()}  # what this process imports
-        self.proc = subprocess.Popen([sys.executable, "-m", "nodes.agents.worker", str(theirs.fileno()), tokenizer_path],
-                                     pass_fds=[theirs.fileno()], env=env)
+        self.scratch = tempfile.mkdtemp(prefix="siirl-agents-")
+        self.proc = subprocess.Popen([sys.executable, "-m", "nodes.agents.worker", str(theirs.fileno()), tokenizer_path,
+                                      self.scratch], pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self.link = engine_link.RankEnd(Connection(ours.detach()))
 
     def stop(self) -> None:
+        """Ask it to exit (killed if it does not); what its programs left goes too (a process stopped mid-rollout
+        could not see to its episodes' ends)."""
         self.link.send(("exit",))
         try:
             self.proc.wait(timeout=5)
@@ -58,6 +64,8 @@ class AgentsProcess:
             self.proc.kill()
             self.proc.wait()
         self.link.close()
+        programs.stop_marked(f"{self.proc.pid}-")
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 _PROCESSES: dict[tuple[str, str], list[AgentsProcess]] = {}  # (node id, model) -> its agents' processes, in this rank process
@@ -118,7 +126,12 @@ def _lead(ctx: Any, samples: list[dict], n: int, turns: Any, tell: Any) -> Finis
     among them and the episodes in proportion (`spread`); this thread serves their turns."""
     engine, p, data = ctx.engine, ctx.node.params, ctx.data
     node, count = (ctx.node.id, engine.model_path), agent_processes(p["agent_processes"], engine.ctx.device, p["concurrency"])
-    kept = [process for process in _PROCESSES.get(node, []) if process.proc.poll() is None]
+    kept = []
+    for process in _PROCESSES.get(node, []):
+        if process.proc.poll() is None:
+            kept.append(process)
+        else:  # it died (killed from outside, say): what its programs left goes too
+            process.stop()
     for process in kept[count:]:
         process.stop()
     processes = _PROCESSES[node] = kept[:count] + [AgentsProcess(engine.model_path) for _ in range(count - len(kept))]

@@ -66,9 +66,13 @@ def reward_of(value: Any) -> tuple[float | None, dict]:
         return None, info
     if not isinstance(value, (int, float)):
         raise ValueError(f"the agent returned {brief(value)}; expected {REWARD_SHAPE}")
-    if not math.isfinite(value):
-        raise ValueError(f"the agent returned the reward {value}; expected a finite number")
-    return float(value), info
+    try:
+        reward = float(value)
+    except OverflowError:  # an integer past a float's range
+        reward = math.inf
+    if not math.isfinite(reward):
+        raise ValueError(f"the agent returned the reward {reward} (or one past a float's range); expected a finite number")
+    return reward, info
 
 
 def python_agent(solve: Callable, endpoint: Endpoint) -> Agent:

@@ -1,5 +1,6 @@
-"""The agents' process of one agent_rollout node on one rank: `python -m nodes.agents.worker FD`, FD one
-end of a socket pair whose other end the rank holds (engine_link). It lives as long as the rank (a
+"""The agents' process of one agent_rollout node on one rank: `python -m nodes.agents.worker FD TOKENIZER
+SCRATCH`, FD one end of a socket pair whose other end the rank holds (engine_link), SCRATCH the folder
+its agent programs' episodes keep their files in. It lives as long as the rank (a
 user's module is imported once, its state kept between steps) and runs one rollout at a time: the
 endpoint, n episodes per sample, `concurrency` at once, each to its end or its timeout; then it sends
 back what each episode left (episode.EpisodeRecord) and how it ended (runners.Outcome). It exits when
@@ -39,10 +40,10 @@ class RolloutSpec:
 class Agents:
     """What is kept between rollouts: the link, the tokenizer (the user's modules stay imported)."""
 
-    def __init__(self, link: AgentsEnd, tokenizer_path: str):
+    def __init__(self, link: AgentsEnd, tokenizer_path: str, scratch: str):
         from transformers import AutoTokenizer
 
-        self.turns = link
+        self.turns, self.scratch = link, scratch  # scratch: the folder its agent programs' episodes' files go in
         self.render = ChatRender(AutoTokenizer.from_pretrained(tokenizer_path))
 
     async def rollout(self, spec: RolloutSpec) -> tuple[list, list]:
@@ -83,16 +84,16 @@ class Agents:
         if p.get("agent"):
             return runners.python_agent(user_ref(p["agent"], "agent", {}), endpoint)
         if p.get("agent_command"):
-            return programs.command_agent(p["agent_command"])
+            return programs.command_agent(p["agent_command"], self.scratch)
         env_class, kwargs = user_ref(p["env"], "environment", {}), dict(p["env_kwargs"])
         return runners.env_agent(lambda: env_class(**kwargs), service)
 
 
-async def serve(fd: int, tokenizer_path: str) -> None:
+async def serve(fd: int, tokenizer_path: str, scratch: str) -> None:
     """Rollouts as the rank sends them, until its end closes or it says exit."""
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     link = AgentsEnd(reader, writer)
-    agents, specs = Agents(link, tokenizer_path), asyncio.Queue()
+    agents, specs = Agents(link, tokenizer_path, scratch), asyncio.Queue()
     gone = asyncio.get_running_loop().create_future()
 
     async def read() -> None:
@@ -146,7 +147,7 @@ def main() -> None:
         from uvloop import run
     except ImportError:
         from asyncio import run
-    run(serve(int(sys.argv[1]), sys.argv[2]))
+    run(serve(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
 
 
 if __name__ == "__main__":

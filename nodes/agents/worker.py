@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 import socket
@@ -147,7 +148,11 @@ def main() -> None:
         from uvloop import run
     except ImportError:
         from asyncio import run
-    run(serve(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    scratch = sys.argv[3]
+    try:
+        run(serve(int(sys.argv[1]), sys.argv[2], scratch))
+    finally:  # its programs' episodes removed their own folders; the rank removes it if this one is killed
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ reward is what it wrote by the time it exited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ import psutil
 from nodes.agents.episode import Episode
 from nodes.agents.runners import REWARD_SHAPE, Agent, brief, public_sample
 from siirl_dag.refs import user_program_env
+from siirl_dag.runtime import reaper
 
 KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last ones)
 EPISODE_MARK = "SIIRL_DAG_EPISODE"  # in a program's environment, inherited by what it starts
@@ -95,15 +97,10 @@ def stop_marked(mark: str, passes: int = 5) -> None:
     process's pid and a dash: all its episodes'): what the programs started that left their groups. Again
     while a pass finds some (one that forks as it is looked for)."""
     for _ in range(passes):
-        found = 0
-        for proc in psutil.process_iter():
-            try:
-                carried = proc.environ().get(EPISODE_MARK)
-                if carried and carried.startswith(mark):
-                    proc.kill()
-                    found += 1
-            except (psutil.Error, OSError):
-                continue
+        found = [p for token, procs in reaper.marked(EPISODE_MARK).items() if token.startswith(mark) for p in procs]
+        for proc in found:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
         if not found:
             return
 

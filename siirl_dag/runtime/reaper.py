@@ -43,15 +43,16 @@ def alive(token: str) -> bool:
         return False
 
 
-def marked() -> dict[str, list[psutil.Process]]:
-    """Processes of this user that carry a driver's mark, by token (this process excluded)."""
+def marked(variable: str = MARK) -> dict[str, list[psutil.Process]]:
+    """Processes of this user that carry a mark in their environment (`variable`: a driver's, or an agent
+    program's episode's), by token (this process excluded)."""
     found: dict[str, list[psutil.Process]] = defaultdict(list)
     me, uid = os.getpid(), os.getuid()
     for proc in psutil.process_iter(["uids"]):
         try:
             if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != uid:
                 continue
-            token = proc.environ().get(MARK)
+            token = proc.environ().get(variable)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
         if token:

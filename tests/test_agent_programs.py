@@ -54,6 +54,35 @@ def test_a_program_done_with_its_episode_is_not_waited_on_for_what_it_left_runni
         assert gone(pid), name
 
 
+@pytest.mark.parametrize("then, status", [("echo 1", "ok"), ("sleep 30", "timeout")])
+def test_what_a_program_started_goes_with_its_episode_even_having_cleared_its_environment(tmp_path, then, status):
+    """A daemon that left the program's session and cleared its environment on the way (`env -i`, a
+    double fork) carries neither the program's group nor the episode's mark: it is found all the same,
+    the program returned or late."""
+    daemon = f"env -i /bin/sh -c '(setsid sleep 62 & echo $! > {tmp_path}/pid) &'; sleep 0.2; "
+    outcome = run(daemon + then, timeout_s=3.0)
+    assert outcome.status == status, outcome.error
+    pid = int((tmp_path / "pid").read_text())
+    for _ in range(50):
+        if gone(pid):
+            break
+        time.sleep(0.1)
+    assert gone(pid)
+
+
+def test_a_program_runs_as_a_shell_would_start_it_and_ends_as_it_did():
+    """Signals the run's Python ignores (SIGPIPE) are the program's default again; a program killed by a
+    signal is told so; one that is not there is told by its name."""
+    sigpipe = 1 << (13 - 1)
+    outcome = run("mask=$(sed -n 's/^SigIgn:\\s*//p' /proc/$$/status); echo $(( 0x$mask & %d ))" % sigpipe)
+    assert (outcome.status, outcome.reward) == ("ok", 0.0), outcome.error
+    assert run("kill -9 $$").error == "RuntimeError: sh exited with status -9: (nothing on stderr)"
+    agent = programs.command_agent(["no-such-program-here"], tempfile.gettempdir())
+    lost = asyncio.run(runners.run_episode(agent, episode(), SAMPLE, 10.0, SimpleNamespace(end=lambda e: None)))
+    assert lost.error == ("RuntimeError: no-such-program-here exited with status 127: no-such-program-here: "
+                          "No such file or directory")
+
+
 def test_a_program_gets_the_pythonpath_the_run_was_started_with_not_the_runs_own(monkeypatch, tmp_path):
     """The run's processes import from its Python's sys.path (stdlib included), which a program in
     another Python cannot import: the program gets the run's PYTHONPATH as it was started, or none."""

@@ -4,11 +4,12 @@ The program gets the episode's address and key (OPENAI_BASE_URL / OPENAI_API_KEY
 in the environment the run was started with (its PYTHONPATH, not the run's Python's), the sample as
 JSON on stdin (it may leave it unread), and a scratch directory of the episode's own as TMPDIR (and
 TMUX_TMPDIR: a terminal multiplexer's server is the episode's too); its last line on stdout is its
-reward (JSON). Whatever it leaves running goes with its episode: its process group, and what left the
-group (a command run in a session of its own, a daemon) by the mark its environment carries; a process
-that clears its environment as it leaves cannot be told apart (a container is its daemon's). Its stdin,
-stdout and stderr are files, not pipes, so nothing it leaves behind holds the episode open, and its
-reward is what it wrote by the time it exited.
+reward (JSON). Whatever it leaves running goes with its episode: it runs under a keeper
+(nodes/agents/subreaper.py) that adopts all it orphans, however that left (a background job, a command
+in a session of its own, a daemon that cleared its environment), and kills what is left once the
+program exits or is late; a container is its daemon's, not the episode's. Its stdin, stdout and stderr
+are files, not pipes, so nothing it leaves behind holds the episode open, and its reward is what it
+wrote by the time it exited.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import tempfile
 from typing import Any
 
@@ -32,6 +34,8 @@ from siirl_dag.runtime import reaper
 
 KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last ones)
 EPISODE_MARK = "SIIRL_DAG_EPISODE"  # in a program's environment, inherited by what it starts
+KEEPER = [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.abspath(__file__)), "subreaper.py")]
+LATE_S = 5.0  # a late program's keeper's time to kill it and what it left
 
 
 def command_agent(argv: list[str], scratch_root: str) -> Agent:
@@ -50,17 +54,23 @@ def command_agent(argv: list[str], scratch_root: str) -> Agent:
             env = {**user_program_env(), "OPENAI_BASE_URL": sample["_base_url"], "OPENAI_API_KEY": episode.key,
                    "ANTHROPIC_BASE_URL": sample["_base_url"].removesuffix("/v1"), "ANTHROPIC_API_KEY": episode.key,
                    "TMPDIR": scratch, "TMUX_TMPDIR": scratch, EPISODE_MARK: mark}
+            said_at = os.path.join(own, "said")  # the keeper's: stdout's size when the program exited
             with open(given, "rb") as stdin, open(os.path.join(own, "stdout"), "w+b") as out, \
                     open(os.path.join(own, "stderr"), "w+b") as err:
-                proc = await asyncio.create_subprocess_exec(*argv, stdin=stdin, stdout=out, stderr=err, env=env,
-                                                            start_new_session=True)
+                proc = await asyncio.create_subprocess_exec(*KEEPER, said_at, *argv, stdin=stdin, stdout=out, stderr=err,
+                                                            env=env, start_new_session=True)
                 try:
                     code = await proc.wait()
-                    said = os.fstat(out.fileno()).st_size  # by its exit (what it left running may write on)
                 finally:  # returned, failed or late, the episode is over: what the program left running goes with it
-                    _kill_group(proc.pid)
-                    await proc.wait()
-                    await asyncio.to_thread(stop_marked, mark)
+                    if proc.returncode is None:  # late: its keeper kills it, then what it left
+                        proc.terminate()
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(proc.wait(), LATE_S)
+                    if not os.path.exists(said_at):  # the keeper did not finish (killed, or the program never ran)
+                        _kill_group(proc.pid)
+                        await proc.wait()
+                        await asyncio.to_thread(stop_marked, mark)
+                said = _said(said_at, out)
                 out, err = _tail(out, said), _tail(err, os.fstat(err.fileno()).st_size)
         finally:
             await asyncio.to_thread(shutil.rmtree, own, True)  # off the loop: a checkout's files take a while
@@ -94,8 +104,9 @@ def _kill_group(pid: int) -> None:
 
 def stop_marked(mark: str, passes: int = 5) -> None:
     """Kill the processes whose environment's mark starts with `mark` (an episode's whole mark; an agents'
-    process's pid and a dash: all its episodes'): what the programs started that left their groups. Again
-    while a pass finds some (one that forks as it is looked for)."""
+    process's pid and a dash: all its episodes'): the programs and what they started, where their keepers
+    could not see to it (killed with their agents' process). Again while a pass finds some (one that
+    forks as it is looked for)."""
     for _ in range(passes):
         found = [p for token, procs in reaper.marked(EPISODE_MARK).items() if token.startswith(mark) for p in procs]
         for proc in found:
@@ -103,6 +114,15 @@ def stop_marked(mark: str, passes: int = 5) -> None:
                 proc.kill()
         if not found:
             return
+
+
+def _said(said_at: str, out: Any) -> int:
+    """How much of stdout the program wrote by its exit, as its keeper saw it (else all there is)."""
+    try:
+        with open(said_at) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return os.fstat(out.fileno()).st_size
 
 
 def _tail(file: Any, size: int) -> bytes:

@@ -1,0 +1,81 @@
+"""An agent program's keeper: `python -I -S subreaper.py SAID PROGRAM ARG...` runs PROGRAM and, once it has
+exited, kills whatever it left running, however that left it: a job in the background, a command in a
+session of its own, a daemon that cleared its environment on the way. This process is a child subreaper
+(prctl PR_SET_CHILD_SUBREAPER): every process orphaned below it is handed to it rather than to init, so
+what is left is exactly its children, and theirs as each is killed. Then the size of stdout when
+PROGRAM exited (what it said, before a leftover could write more) goes to the file SAID, which so says
+that nothing is left. SIGTERM (the episode late) kills PROGRAM at once, and the rest as above. It then ends as PROGRAM did: its exit status, or the
+signal that killed it. Standard library only: it runs isolated from the run's and the user's paths.
+"""
+
+import ctypes
+import os
+import resource
+import signal
+import sys
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def children(me: int) -> list[int]:
+    """The pids of `me`'s children (read from /proc: the kernel's own list is not always built in)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rsplit(b")", 1)[1].split()[1]) == me:
+                found.append(int(name))
+    return found
+
+
+def stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # reaped already
+        pass
+
+
+def kill_all_left(me: int) -> None:
+    """Kill the children until none is left: one killed hands its own children over as it dies."""
+    while True:
+        for pid in children(me):
+            stop(pid)
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def main(said: str, argv: list[str]) -> None:
+    me = os.getpid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        sys.exit(f"{argv[0]}: not run: cannot adopt what it would leave (prctl: {os.strerror(ctypes.get_errno())})")
+    try:  # as exec'd by a shell: the signals Python ignores are the program's default
+        program = os.posix_spawnp(argv[0], argv, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+    except OSError as e:
+        print(f"{argv[0]}: {e.strerror}", file=sys.stderr)
+        sys.exit(127)
+    signal.signal(signal.SIGTERM, lambda *_: stop(program))
+    while True:  # reaping what is orphaned meanwhile
+        pid, status = os.waitpid(-1, 0)
+        if pid == program:
+            break
+    size = os.fstat(1).st_size
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # late now: what is left is being killed already
+    kill_all_left(me)
+    with open(said, "w") as f:  # last: the file says that nothing is left
+        f.write(str(size))
+    if os.WIFSIGNALED(status):  # killed: so is this process, by the same signal (and without a core)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if os.WTERMSIG(status) != signal.SIGKILL:
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(me, os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

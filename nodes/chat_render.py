@@ -6,10 +6,12 @@ messages, the generation prompt), cut from a rendering of them after a stand-in 
 earlier turns stay what they were, so the model's own tokens are never re-tokenized (a round trip
 through text can merge or split them differently), and what a template would write differently in
 them once more messages follow (Qwen3 drops an earlier turn's thinking) is left as the model saw it.
-Message contents are tokenized with their special tokens split into plain text, so text from a tool,
-an environment or an agent that holds the template's control tokens (`<|im_end|>`) cannot end a turn
-or fake a role; the template's own text keeps its special tokens, so what else a conversation puts in
-it (its tools, tool calls' names and arguments) may hold none of them (ValueError). The stand-ins cut
+The new text is tokenized whole, as the model's tokenizer read such text in training (a content's
+last characters and the template's next ones may be one token). A content that holds one of the
+template's control tokens (`<|im_end|>`: text from a tool, an environment or an agent) is tokenized
+apart, the control token as plain text, so it cannot end a turn or fake a role; the template's own
+text keeps its control tokens, so what else a conversation puts in it (its tools, tool calls' names
+and arguments) may hold none of them (ValueError). The stand-ins cut
 out of a rendering carry a random tag, which no request can hold.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import secrets
 from typing import Any
 
@@ -128,9 +131,31 @@ class ChatRender:
                                                   tokenize=False, **template_kwargs)
 
     def _encode(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """The pieces' tokens as the model's tokenizer reads their whole text, as in its training (where a
+        content ends, its last characters and the template's next ones may be one token: "." and "\n\n"
+        are ".\n\n" in Qwen's vocabulary), when every control token read is the template's own. Else (a
+        content holds one) each content is tokenized apart, its control tokens as plain text."""
+        if self._control_token_in([text for text, content in pieces if content]) is None:
+            ids = self.tokenizer.encode("".join(text for text, _ in pieces), add_special_tokens=False)
+            own = [self._control_ids[token] for text, content in pieces if not content
+                   for token in self._control_pattern.findall(text)]
+            if [i for i in ids if i in self._control_id_set] == own:
+                return ids
         return [i for text, content in pieces if text
                 for i in (self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if content
                           else self._template_ids(text))]
+
+    @functools.cached_property
+    def _control_ids(self) -> dict[str, int]:
+        return {token: self.tokenizer.convert_tokens_to_ids(token) for token in self._control_tokens}
+
+    @functools.cached_property
+    def _control_id_set(self) -> frozenset[int]:
+        return frozenset(self._control_ids.values())
+
+    @functools.cached_property
+    def _control_pattern(self) -> re.Pattern:
+        return re.compile("|".join(re.escape(t) for t in sorted(self._control_tokens, key=len, reverse=True)))
 
     def _template_text_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False))

@@ -126,7 +126,7 @@ def make_call(call: Call, tools: dict[str, Tool], deadline: float | None = None)
 
 class Observations:
     """Tool answers as the tokens the model reads after its turn: `tool` messages, rendered by the chat
-    template after the turn (`chat_render.ChatRender`), their text with special tokens split."""
+    template after the turn (`chat_render.ChatRender`: an answer's control tokens as plain text)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.render = ChatRender(tokenizer)

@@ -2,7 +2,8 @@
 their tokenizers ship them (tests/fixtures/chat_templates), over the tiny model's byte-level BPE given
 Qwen's control tokens. An agent's episode (a system prompt, tools, parallel tool calls answered, a
 follow-up question) is planned and recorded as the endpoint does it (Episode, openai_api), and its
-prompts are compared with what the template writes for the whole conversation."""
+prompts are compared with what the template writes for the whole conversation; over merges a real
+vocabulary has where a content ends, with the tokens the tokenizer makes of the whole text."""
 
 from __future__ import annotations
 
@@ -23,14 +24,23 @@ CALCULATOR = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 ASKED = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 1+1 and 2+2?"}]
 THINK = re.compile(r"<think>\n.*?\n</think>\n\n", re.S)
+# merges a real vocabulary has (Qwen's: ".\n\n", " \n"), in byte-level symbols, across where a content ends
+MERGES = [(".", "Ċ"), (".Ċ", "Ċ"), ("Ġ", "Ċ")]
 
 
-def qwen_tokenizer(tiny_model_dir: str, template: str):
-    """The tiny model's tokenizer with Qwen's control tokens (special, as Qwen's are) and its tags
-    (added, not special), ending a turn with <|im_end|>, and `template`'s text."""
-    from transformers import AutoTokenizer
+def qwen_tokenizer(tiny_model_dir: str | None, template: str):
+    """The tiny model's tokenizer (None: the same with MERGES) with Qwen's control tokens (special, as
+    Qwen's are) and its tags (added, not special), ending a turn with <|im_end|>, and `template`'s text."""
+    from transformers import AutoTokenizer, Qwen2Tokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    if tiny_model_dir:
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    else:
+        from make_tiny_model import SPECIAL_TOKENS, vocabulary
+
+        vocab = vocabulary()
+        vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(MERGES)})
+        tok = Qwen2Tokenizer(vocab=vocab, merges=[("#", "#"), ("##", "##"), *MERGES], **SPECIAL_TOKENS)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]})
     tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
     tok.eos_token = "<|im_end|>"
@@ -91,6 +101,27 @@ def test_an_agents_episode_is_prompted_as_the_template_writes_it_and_trains_the_
     assert model == [i for text in texts for i in sampled(tok, text).token_ids]  # the sampled tokens, all and only
     recorded = segment.prompt_ids + segment.ids
     assert third.context[:len(recorded)] == recorded  # the next call goes on from the recorded tokens
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen2_5"])
+def test_new_messages_are_tokenized_as_their_whole_text_is_where_a_content_ends(template):
+    """A content's last characters and the template's next ones may be one token of a real vocabulary
+    (the system prompt's "." and the "\n\n" before the tools; a tool answer's " " and the "\n" before
+    </tool_response>): a prompt, and what follows the model's turn, hold the tokens the model's tokenizer
+    makes of their whole text, as in its training, not a content's and the template's tokens apart."""
+    tok = qwen_tokenizer(None, template)
+    render = ChatRender(tok)
+    asked = [*ASKED, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]}]
+    answered = [{"role": "tool", "tool_call_id": "c1", "content": "2. "}]
+    text = tok.apply_chat_template([*ASKED, {"role": "assistant", "content": "", "tool_calls": [
+        {**asked[-1]["tool_calls"][0], "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]},
+        *answered], tools=[CALCULATOR], add_generation_prompt=True, tokenize=False)
+    full_stop, space = tok.convert_tokens_to_ids([".ĊĊ", "ĠĊ"])
+    prompt = render.prompt([*asked, *answered], [CALCULATOR])
+    assert prompt == tok.encode(text, add_special_tokens=False) and {full_stop, space} <= set(prompt)
+    after = render.after_turn(answered, False, [CALCULATOR])
+    assert space in after and tok.decode(after) == text[text.rindex("</tool_call>") + len("</tool_call>"):]
 
 
 def test_qwen3s_thinking_switch_is_the_requests_to_set_on_every_call(tiny_model_dir):

@@ -83,6 +83,25 @@ def test_a_program_runs_as_a_shell_would_start_it_and_ends_as_it_did():
                           "No such file or directory")
 
 
+def test_a_keeper_leaves_what_it_may_not_kill_and_waits_only_for_the_rest(monkeypatch):
+    """A process of another user's below a program (one it ran with sudo) cannot be killed: the keeper
+    kills the rest and ends, rather than waiting on it (the kernel's answers stood in for)."""
+    from nodes.agents import subreaper
+
+    left, waited = {11, 12, 13}, []
+
+    def kill(pid: int, sig: int) -> None:
+        if pid == 11:
+            raise PermissionError(1, "Operation not permitted")
+        left.discard(pid)
+
+    monkeypatch.setattr(subreaper, "children", lambda me: sorted(left))
+    monkeypatch.setattr(subreaper.os, "kill", kill)
+    monkeypatch.setattr(subreaper.os, "waitpid", lambda pid, options: waited.append(pid) or (12, 0))
+    subreaper.kill_all_left(1)
+    assert left == {11} and waited == [-1]
+
+
 def test_a_program_gets_the_pythonpath_the_run_was_started_with_not_the_runs_own(monkeypatch, tmp_path):
     """The run's processes import from its Python's sys.path (stdlib included), which a program in
     another Python cannot import: the program gets the run's PYTHONPATH as it was started, or none."""

@@ -32,22 +32,20 @@ def children(me: int) -> list[int]:
     return found
 
 
-def stop(pid: int) -> None:
+def stop(pid: int) -> bool:
+    """SIGKILL `pid`; False where it cannot be (gone, or another user's: a program run with sudo)."""
     try:
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:  # reaped already
-        pass
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def kill_all_left(me: int) -> None:
-    """Kill the children until none is left: one killed hands its own children over as it dies."""
-    while True:
-        for pid in children(me):
-            stop(pid)
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
+    """Kill the children until none that can be is left: one killed hands its own children over as it dies
+    (another user's are left to init)."""
+    while [pid for pid in children(me) if stop(pid)]:
+        os.waitpid(-1, 0)  # one of those killed, or one that ended meanwhile
 
 
 def main(said: str, argv: list[str]) -> None:
@@ -59,7 +57,7 @@ def main(said: str, argv: list[str]) -> None:
     except OSError as e:
         print(f"{argv[0]}: {e.strerror}", file=sys.stderr)
         sys.exit(127)
-    signal.signal(signal.SIGTERM, lambda *_: stop(program))
+    signal.signal(signal.SIGTERM, lambda *_: stop(program))  # the program's exit then ends the wait
     while True:  # reaping what is orphaned meanwhile
         pid, status = os.waitpid(-1, 0)
         if pid == program:

@@ -97,9 +97,9 @@ def test_a_keeper_leaves_what_it_may_not_kill_and_waits_only_for_the_rest(monkey
 
     monkeypatch.setattr(subreaper, "children", lambda me: sorted(left))
     monkeypatch.setattr(subreaper.os, "kill", kill)
-    monkeypatch.setattr(subreaper.os, "waitpid", lambda pid, options: waited.append(pid) or (12, 0))
+    monkeypatch.setattr(subreaper.os, "waitpid", lambda pid, options: waited.append(options) or (0 if options else 12, 0))
     subreaper.kill_all_left(1)
-    assert left == {11} and waited == [-1]
+    assert left == {11} and waited == [0, subreaper.os.WNOHANG]
 
 
 def test_a_program_gets_the_pythonpath_the_run_was_started_with_not_the_runs_own(monkeypatch, tmp_path):

@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from nodes.agents import subreaper
 from nodes.agents.episode import Episode
 from nodes.agents.runners import REWARD_SHAPE, Agent, brief, public_sample
 from siirl_dag.refs import user_program_env
@@ -34,7 +35,7 @@ from siirl_dag.runtime import reaper
 
 KEEP_OUTPUT = 64 * 1024  # bytes of a program's stdout and stderr kept (its last ones)
 EPISODE_MARK = "SIIRL_DAG_EPISODE"  # in a program's environment, inherited by what it starts
-KEEPER = [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.abspath(__file__)), "subreaper.py")]
+KEEPER = [sys.executable, "-I", "-S", subreaper.__file__]
 LATE_S = 5.0  # a late program's keeper's time to kill it and what it left
 
 
@@ -62,14 +63,7 @@ def command_agent(argv: list[str], scratch_root: str) -> Agent:
                 try:
                     code = await proc.wait()
                 finally:  # returned, failed or late, the episode is over: what the program left running goes with it
-                    if proc.returncode is None:  # late: its keeper kills it, then what it left
-                        proc.terminate()
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(proc.wait(), LATE_S)
-                    if not os.path.exists(said_at):  # the keeper did not finish (killed, or the program never ran)
-                        _kill_group(proc.pid)
-                        await proc.wait()
-                        await asyncio.to_thread(stop_marked, mark)
+                    await _wind_up(proc, said_at, mark)
                 said = _said(said_at, out)
                 out, err = _tail(out, said), _tail(err, os.fstat(err.fileno()).st_size)
         finally:
@@ -77,6 +71,21 @@ def command_agent(argv: list[str], scratch_root: str) -> Agent:
         return _reward_line(argv[0], code, out, err, said > KEEP_OUTPUT)
 
     return run
+
+
+async def _wind_up(proc: asyncio.subprocess.Process, said_at: str, mark: str) -> None:
+    """The program exited, or is late: its keeper kills what it left (the program first, if late). Where the
+    keeper did not finish (killed or stopped, or the program never ran), its group and the processes
+    carrying the episode's mark are killed instead. Cancelled as it waits (the loop ending), the keeper,
+    told already, finishes alone."""
+    if proc.returncode is None:
+        proc.send_signal(subreaper.LATE)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), LATE_S)
+    if not os.path.exists(said_at):
+        _kill_group(proc.pid)
+        await proc.wait()
+        await asyncio.to_thread(stop_marked, mark)
 
 
 def _reward_line(program: str, code: int, out: bytes, err: bytes, cut: bool) -> Any:

@@ -4,8 +4,12 @@ session of its own, a daemon that cleared its environment on the way. This proce
 (prctl PR_SET_CHILD_SUBREAPER): every process orphaned below it is handed to it rather than to init, so
 what is left is exactly its children, and theirs as each is killed. Then the size of stdout when
 PROGRAM exited (what it said, before a leftover could write more) goes to the file SAID, which so says
-that nothing is left. SIGTERM (the episode late) kills PROGRAM at once, and the rest as above. It then ends as PROGRAM did: its exit status, or the
+that nothing is left. SIGUSR2 (the episode late) kills PROGRAM at once, and the rest as above; SIGTERM,
+SIGINT, SIGHUP and SIGQUIT are ignored (a program's `kill 0` reaches its whole process group, this
+process too), and are the program's defaults again. It ends as PROGRAM did: its exit status, or the
 signal that killed it. Standard library only: it runs isolated from the run's and the user's paths.
+It keeps what a program leaves, not a program that turns on it: one that kills or stops its keeper
+(`kill -9 $PPID`) leaves the rest to the mark its environment carries.
 """
 
 import ctypes
@@ -15,6 +19,9 @@ import signal
 import sys
 
 PR_SET_CHILD_SUBREAPER = 36
+LATE = signal.SIGUSR2  # the episode is late: kill the program now
+# not this process's to obey: a program's `kill 0` (its whole group), a terminal's; the program's own again
+IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def children(me: int) -> list[int]:
@@ -43,30 +50,47 @@ def stop(pid: int) -> bool:
 
 def kill_all_left(me: int) -> None:
     """Kill the children until none that can be is left: one killed hands its own children over as it dies
-    (another user's are left to init)."""
-    while [pid for pid in children(me) if stop(pid)]:
-        os.waitpid(-1, 0)  # one of those killed, or one that ended meanwhile
+    (another user's are left to init). Each pass reaps all that died, so a thousand leftovers take a few
+    passes, not a thousand."""
+    killed: set[int] = set()
+    while left := [pid for pid in children(me) if pid in killed or stop(pid)]:
+        killed.update(left)
+        killed.discard(os.waitpid(-1, 0)[0])  # one of those killed, or one that ended meanwhile
+        while True:
+            try:
+                pid = os.waitpid(-1, os.WNOHANG)[0]
+            except ChildProcessError:
+                return
+            if not pid:
+                break
+            killed.discard(pid)
 
 
 def main(said: str, argv: list[str]) -> None:
     me = os.getpid()
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"{argv[0]}: not run: cannot adopt what it would leave (prctl: {os.strerror(ctypes.get_errno())})")
-    try:  # as exec'd by a shell: the signals Python ignores are the program's default
-        program = os.posix_spawnp(argv[0], argv, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+    for sig in IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    try:  # as a shell would start it: the signals ignored here (and by Python) are the program's default
+        program = os.posix_spawnp(argv[0], argv, os.environ,
+                                  setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, LATE, *IGNORED))
     except OSError as e:
         print(f"{argv[0]}: {e.strerror}", file=sys.stderr)
-        sys.exit(127)
-    signal.signal(signal.SIGTERM, lambda *_: stop(program))  # the program's exit then ends the wait
+        sys.exit(126 if isinstance(e, PermissionError) else 127)
+    signal.signal(LATE, lambda *_: stop(program))  # the program's exit then ends the wait
     while True:  # reaping what is orphaned meanwhile
         pid, status = os.waitpid(-1, 0)
         if pid == program:
             break
     size = os.fstat(1).st_size
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # late now: what is left is being killed already
+    signal.signal(LATE, signal.SIG_IGN)  # what is left is being killed already
     kill_all_left(me)
-    with open(said, "w") as f:  # last: the file says that nothing is left
-        f.write(str(size))
+    try:
+        with open(said, "w") as f:  # last: the file says that nothing is left
+            f.write(str(size))
+    except OSError:  # the episode's folder gone: nobody waits for it
+        pass
     if os.WIFSIGNALED(status):  # killed: so is this process, by the same signal (and without a core)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if os.WTERMSIG(status) != signal.SIGKILL:

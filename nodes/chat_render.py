@@ -52,10 +52,11 @@ class ChatRender:
         self._check_plain(ready, tools, template_kwargs)
         masked, contents = _stand_ins(ready)
         rendered = self._render(masked, tools, True, template_kwargs)
-        pieces = _cut(rendered, contents)
+        text = self._render(ready, tools, True, template_kwargs)
+        pieces = _pieces(rendered, contents, text)
         if pieces is None:  # the template changed a content: the whole text, tokenized as vLLM's server does
             self._check_contents_plain(contents)
-            return self._encode([(self._render(ready, tools, True, template_kwargs), False)])
+            return self._encode([(text, False)])
         return self._encode(pieces)
 
     def after_turn(self, messages: list[dict], ended_with_eos: bool, tools: list[dict] | None = None,
@@ -65,10 +66,11 @@ class ChatRender:
         ready = _template_ready(messages)
         self._check_plain(ready, tools, template_kwargs)
         masked, contents = _stand_ins(ready)
-        pieces = _cut(self._after_turn_text(masked, tools, template_kwargs), contents)
+        rendered = self._after_turn_text(masked, tools, template_kwargs)
+        text = self._after_turn_text(ready, tools, template_kwargs)
+        pieces = _pieces(rendered, contents, text)
         if pieces is None:
             self._check_contents_plain(contents)
-            text = self._after_turn_text(ready, tools, template_kwargs)
             if _TAG in text:
                 raise ValueError("the chat template writes the turn's content again after it; expected a template "
                                  "that writes each message once")
@@ -108,12 +110,12 @@ class ChatRender:
     def _check_plain(self, ready: list[dict], tools, template_kwargs: dict) -> None:
         """What the template writes as its own text besides the contents (the tools, tool calls with their
         arguments as it reads them: `ready`, a message's other fields) must not hold a control token."""
-        fields = [{k: v for k, v in m.items() if k != "content"} for m in ready]
+        fields = [{k: v for k, v in m.items() if k != "content" or not isinstance(v, str)} for m in ready]
         token = self._control_token_in([json.dumps([tools, template_kwargs, fields], ensure_ascii=False, default=str)])
         if token:
-            raise ValueError(f"the model's control token {token!r} is in the tools, a tool call or a message's fields "
-                             "other than its content, which the template writes as its own text; expected plain "
-                             "text there")
+            raise ValueError(f"the model's control token {token!r} is in the tools, a tool call, a content that is "
+                             "not text (a list of parts) or a message's other fields, which the template writes as "
+                             "its own text; expected plain text there")
 
     def _check_contents_plain(self, contents: list[str]) -> None:
         """Contents this template changes as it shows them are tokenized with its text: none may hold a control token."""
@@ -219,6 +221,14 @@ def _stand_ins(ready: list[dict]) -> tuple[list[dict], list[str]]:
             m["content"] = _CONTENT.format(len(contents) - 1)
         masked.append(m)
     return masked, contents
+
+
+def _pieces(rendered: str, contents: list[str], text: str) -> list[tuple[str, bool]] | None:
+    """`rendered`'s pieces (`_cut`) where they make `text`, the rendering of the messages themselves; None
+    where the template wrote a content changed, or wrote otherwise for what a content holds (Qwen3 moves an
+    assistant content's thinking, and a user message that is tool responses changes how it shows a turn)."""
+    pieces = _cut(rendered, contents)
+    return pieces if pieces is not None and "".join(piece for piece, _ in pieces) == text else None
 
 
 def _cut(rendered: str, contents: list[str]) -> list[tuple[str, bool]] | None:

@@ -45,13 +45,18 @@ class ChatRender:
         # the template's own text between contents (the system prompt with the tools, a turn's close) is
         # the same in every episode: tokenized once
         self._template_ids = functools.lru_cache(maxsize=256)(self._template_text_ids)
+        # so is a rendering of stand-ins (a tool's answer after a turn): rendered once, by the messages' shape,
+        # less the fields the template never names (a tool answer's tool_call_id, new in every call)
+        self._rendered_shape = functools.lru_cache(maxsize=256)(self._render_shape)
+        source = tokenizer.chat_template
+        self._source = "".join(source.values()) if isinstance(source, dict) else source
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
         """The whole conversation and the generation prompt."""
         ready = _template_ready(messages)
         self._check_plain(ready, tools, template_kwargs)
         masked, contents = _stand_ins(ready)
-        rendered = self._render(masked, tools, True, template_kwargs)
+        rendered = self._rendered_shape(self._shape(False, masked, tools, template_kwargs))
         text = self._render(ready, tools, True, template_kwargs)
         pieces = _pieces(rendered, contents, text)
         if pieces is None:  # the template changed a content: the whole text, tokenized as vLLM's server does
@@ -66,7 +71,7 @@ class ChatRender:
         ready = _template_ready(messages)
         self._check_plain(ready, tools, template_kwargs)
         masked, contents = _stand_ins(ready)
-        rendered = self._after_turn_text(masked, tools, template_kwargs)
+        rendered = self._rendered_shape(self._shape(True, masked, tools, template_kwargs))
         text = self._after_turn_text(ready, tools, template_kwargs)
         pieces = _pieces(rendered, contents, text)
         if pieces is None:
@@ -92,6 +97,20 @@ class ChatRender:
                              "message moved to the top, say), so the conversation cannot go on from the model's own "
                              "tokens; expected such a message first, or none")
         return rendered[at + len(_ASSISTANT):]
+
+    def _shape(self, after_turn: bool, masked: list[dict], tools, template_kwargs: dict) -> str:
+        named = [{k: v for k, v in m.items() if k in ("role", "content") or k in self._source} for m in masked]
+        return json.dumps([after_turn, named, tools, template_kwargs], default=str)
+
+    def _render_shape(self, shape: str) -> str:
+        """The rendering of stand-in messages (`shape`: JSON of [after a turn?, messages, tools, template
+        kwargs]). Should the shape miss what the template reads (a value JSON does not carry, a field read
+        only by going over a message's items), the pieces cut from it do not make the messages' own
+        rendering, which is then used whole (`_pieces`)."""
+        after_turn, messages, tools, template_kwargs = json.loads(shape)
+        if after_turn:
+            return self._after_turn_text(messages, tools, template_kwargs)
+        return self._render(messages, tools, True, template_kwargs)
 
     @functools.cached_property
     def max_token_id(self) -> int:

@@ -163,6 +163,17 @@ def test_a_tool_answer_holding_the_templates_control_tokens_stays_text(tiny_mode
         render.prompt(parts)
 
 
+def test_the_stand_ins_after_a_turn_are_rendered_once_whatever_the_call_ids():
+    """Tool answers after a turn differ by content and tool_call_id (new in every call, and never written
+    by Qwen's template): their stand-ins are rendered once, the answers themselves each time."""
+    tok = qwen_tokenizer(None, "qwen3")
+    render = ChatRender(tok)
+    for n in range(3):
+        answer = [{"role": "tool", "tool_call_id": f"call-0-{n}", "content": str(n)}]
+        assert tok.decode(render.after_turn(answer, True, [CALCULATOR])).startswith(f"\n<|im_start|>user\n<tool_response>\n{n}\n")
+    assert render._rendered_shape.cache_info()[:2] == (2, 1)  # hits, misses
+
+
 def test_a_template_that_writes_a_content_by_what_it_holds_is_followed():
     """Qwen3's template moves an earlier assistant turn's thinking out of its content, and shows a turn's
     `reasoning_content` or not by whether the user message after it is tool responses: what the stand-ins

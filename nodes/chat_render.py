@@ -42,8 +42,8 @@ class ChatRender:
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.template_variables = _template_variables(tokenizer)
-        # the template's own text between contents (the system prompt with the tools, a turn's close) is
-        # the same in every episode: tokenized once
+        # where contents are tokenized apart (one holds a control token), the template's own text between
+        # them (the system prompt with the tools, a turn's close) is the same in every episode: tokenized once
         self._template_ids = functools.lru_cache(maxsize=256)(self._template_text_ids)
         # so is a rendering of stand-ins (a tool's answer after a turn): rendered once, by the messages' shape,
         # less the fields the template never names (a tool answer's tool_call_id, new in every call)

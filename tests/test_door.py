@@ -264,6 +264,16 @@ def test_frozen_samplers_are_not_warned_about(tmp_path):
     assert not [p for p in warned("graphs/tiny_judge_cpu.yaml") if "takes no weights" in p.message]
 
 
+def test_a_validation_only_run_needs_prompts_and_a_score(tmp_path):
+    f = write(tmp_path)
+    (problem,) = refused(f, ["trainer.val_only=true"])  # the pipeline has no data.val_files
+    assert problem.path == ("trainer", "val_only") and problem.file == "<command line>"
+    assert "data.val_files, which is empty; expected data.val_files" in problem.message
+    (problem,) = refused(f, ["trainer.val_only=true", "data.val_files=test.parquet", "trainer.val_score_key=nothing"])
+    assert problem.path == ("trainer", "val_only") and "no node produces trainer.val_score_key ('nothing')" in problem.message
+    assert load_pipeline(f, ["trainer.val_only=true", "data.val_files=test.parquet"]).trainer.val_only
+
+
 # ---- a finished run, the command line ---------------------------------------------------------------------------
 
 def test_a_finished_run_started_again_says_how_to_start_a_new_one(tmp, capsys):  # noqa: F811

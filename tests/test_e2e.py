@@ -147,6 +147,16 @@ def test_resume_is_exact_on_local_runtime(tmp_path, tiny_model_dir, demo_data, f
     for step in ("3", "4"):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             assert resumed["steps"][step][key] == pytest.approx(straight["steps"][step][key], abs=1e-6), (step, key)
+    # validation only, of the checkpoint just written: the final validation's scores again, nothing trained or saved
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    res = launch(tmp_path, tiny_model_dir, demo_data, SEPARATE, 2, "local", "trainer.val_only=true", COMPILED)
+    checked = parsed(res)
+    assert checked["steps"] == {} and checked["val_only"] == resumed["val_last"] != {}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
+    assert re.search(rf"\[run\] 'e2e': validation only \(\d+ prompts, the weights of {re.escape(str(tmp_path))}/ckpt/"
+                     r"global_step_4\)", res.stderr), res.stderr[-2000:]
+    acc = checked["val_only"]["val-core/demo/arith/acc"]
+    assert f"[run] val-core/demo/arith/acc: {acc:.3f} (validation only)" in res.stderr.splitlines()
 
 
 def test_a_truncated_checkpoint_fails_as_one_line(tmp_path, tiny_model_dir, demo_data, four_steps):

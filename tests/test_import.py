@@ -63,9 +63,10 @@ def test_the_siirl_run_script_carries_its_layout_and_batch_sizes(tmp_path, capsy
 def test_a_verl_yaml_of_the_same_keys_and_deprecated_global_micro_batches(tmp_path, capsys):
     source = tmp_path / "verl.yaml"
     source.write_text("""
-trainer: {n_gpus_per_node: 8, nnodes: 2, logger: [console, wandb, swanlab], total_epochs: 3, log_val_generations: 4}
+trainer: {n_gpus_per_node: 8, nnodes: 2, logger: [console, wandb, swanlab], total_epochs: 3, log_val_generations: 4,
+          val_only: true}
 algorithm: {adv_estimator: grpo}
-data: {train_files: d/train.parquet, train_batch_size: 64, max_prompt_length: 256, max_response_length: 512}
+data: {train_files: d/train.parquet, val_files: d/test.parquet, train_batch_size: 64, max_prompt_length: 256, max_response_length: 512}
 actor_rollout_ref:
   model: {path: m/Qwen2.5-7B, use_remove_padding: true}
   actor:
@@ -84,12 +85,13 @@ actor_rollout_ref:
     not_carried = {x["key"]: x for x in report["not_carried"]}
     assert set(not_carried) == {"actor_rollout_ref.model.use_remove_padding",
                                 "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"}
-    assert not_carried["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"]["line"] == 12
+    assert not_carried["actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params"]["line"] == 13
     # fsdp -> Megatron and swanlab left out, each said so; wandb and verl's sample table carried
     assert [x["key"] for x in report["differences"]] == ["actor_rollout_ref.actor.strategy", "trainer.logger"]
     assert doc["trainer"]["logger"] == ["console", "wandb"] and doc["trainer"]["log_val_generations"] == 4
+    assert doc["trainer"]["val_only"] is True
     text = (tmp_path / "pipeline.yaml").read_text()
-    assert "# Not carried over from verl.yaml (2):" in text and "#   line 12: actor_rollout_ref.actor.fsdp_config" in text
+    assert "# Not carried over from verl.yaml (2):" in text and "#   line 13: actor_rollout_ref.actor.fsdp_config" in text
 
 
 def test_batch_sizes_that_do_not_divide_are_refused_at_their_line(tmp_path, capsys):

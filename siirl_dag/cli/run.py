@@ -58,11 +58,14 @@ def main(args) -> int:
 
         console.log_format()
         trainer = Trainer(pipe, address=args.address, progress=say)
-        if trainer.resume.path and trainer.step >= trainer.total_steps:
+        val_only = pipe.trainer.val_only
+        if trainer.resume.path and trainer.step >= trainer.total_steps and not val_only:
             say(_finished(args, pipe, trainer))
             return 0
         log_dir = None if args.verbose else trainer.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        say(f"[run] '{pipe.name}': {trainer.total_steps} steps, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
+        weights = f"the weights of {trainer.resume.path}" if trainer.resume.path else "the models as given"
+        what = f"validation only ({len(trainer.val_data)} prompts, {weights})" if val_only else f"{trainer.total_steps} steps"
+        say(f"[run] '{pipe.name}': {what}, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
         if pipe.memory:  # the plan's estimate, beside which the run logs memory/<mesh>/peak_gb
             say("[run] " + "\n      ".join(pipe.memory.lines()))
         if log_dir:
@@ -76,8 +79,10 @@ def main(args) -> int:
         finally:
             if log_dir:
                 say(f"[run] {console.warnings_in(log_dir)} warning line(s) in the logs ({log_dir}/)")
-        before, after = ({k: v for k, v in history.get(name, {}).items() if "val-core/" in k}
-                         for name in ("val_before", "val_last"))
+        before, after, only = ({k: v for k, v in history.get(name, {}).items() if "val-core/" in k}
+                               for name in ("val_before", "val_last", "val_only"))
+        for key, value in sorted(only.items()):
+            say(f"[run] {key}: {value:.3f} (validation only)")
         for key in sorted(set(before) | set(after)):
             if key in before and key in after:
                 say(f"[run] {key}: before {before[key]:.3f} -> after {after[key]:.3f}")

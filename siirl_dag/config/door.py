@@ -5,7 +5,8 @@ Called from `load_pipeline`, one line per stage:
   Node ids keep the schema's stricter pattern (no '.'), because `inputs: {KEY: NODE.KEY}` bindings
   split at the first dot.
 - `problems`: likely mistakes a run would carry out without complaint (warnings, exit 0), and a
-  sampling limit a rollout would refuse only at its first batch.
+  sampling limit a rollout would refuse only at its first batch, and a validation-only run
+  (trainer.val_only) with nothing to validate.
 - `run_problems`: what only a run needs of this machine: CUDA for `cluster.device: cuda` (on a run
   that starts its own Ray), output folders it can write, data files that are regular files.
 """
@@ -43,6 +44,8 @@ def problems(pipe) -> list[Problem]:
         out.append(Problem(("runtime", "staleness"), f"{rt.staleness} has no effect under runtime.schedule sync, which "
                            "generates nothing ahead; expected runtime.schedule async (or one_step_off) to use it, or "
                            "no staleness"))
+    if pipe.trainer.val_only:
+        errors += _val_only_problems(pipe)
     trained = {}
     for n in nodes:
         if pipe.kinds[n.id].trains:
@@ -67,6 +70,18 @@ def problems(pipe) -> list[Problem]:
     for p in out:
         p.severity = "warning"
     return errors + out
+
+
+def _val_only_problems(pipe) -> list[Problem]:
+    """trainer.val_only validates and stops: it needs prompts to validate on and a node to score them."""
+    where = ("trainer", "val_only")
+    if not pipe.data.val_files:
+        return [Problem(where, "validates on data.val_files, which is empty; expected data.val_files: the prompts "
+                               "to validate on")]
+    if not pipe.scorers:
+        return [Problem(where, "has nothing to report: no node produces trainer.val_score_key "
+                               f"('{pipe.trainer.val_score_key}'); expected a node that scores the responses")]
+    return []
 
 
 def cuda_devices() -> int:

@@ -167,6 +167,7 @@ class TrainerSpec:
     trace: bool
     log_trajectories: int
     log_val_generations: int = 0
+    val_only: bool = False  # validate once and stop (as resumed, if a checkpoint is read)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ TRAINER = {"total_epochs": "total_epochs", "total_training_steps": "total_steps"
            "save_freq": "save_freq", "val_before_train": "val_before_train", "resume_mode": "resume_mode",
            "resume_from_path": "resume_from_path", "default_local_dir": "default_local_dir",
            "project_name": "project_name", "experiment_name": "experiment_name",
-           "max_actor_ckpt_to_keep": "max_ckpt_to_keep", "log_val_generations": "log_val_generations"}
+           "max_actor_ckpt_to_keep": "max_ckpt_to_keep", "log_val_generations": "log_val_generations",
+           "val_only": "val_only"}
 PATHS = ("default_local_dir", "resume_from_path")
 ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"}
 NO_COUNTERPART = {  # keys whose effect this engine has built in, or does not need

@@ -120,8 +120,9 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self, log_dir: Path | None = None) -> dict:
-        """Train to trainer.total_steps; `log_dir`: the folder every process of the run logs to (None: as is)."""
-        if self.resume.path and self.step >= self.total_steps:
+        """Train to trainer.total_steps (trainer.val_only: validate once instead); `log_dir`: the folder
+        every process of the run logs to (None: as is)."""
+        if self.resume.path and self.step >= self.total_steps and not self.pipe.trainer.val_only:
             self.progress(f"[trainer] {self.resume.path} is at step {self.step} of {self.total_steps}: nothing to train. "
                           "Raise trainer.total_steps to continue, or start afresh with a new trainer.experiment_name.")
             return {"steps": {}}
@@ -134,11 +135,15 @@ class Trainer:
                                            in_flight.generated(self.resume.in_flight))
             run = trackers.RunInfo(self.project, self.experiment, self.out_dir, self.tb_dir, self.pipe.file,
                                    trackers.resolved(self.pipe), self.step, resumed=self.resume.path is not None)
-            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, self.total_steps, self.step, run, self.progress,
-                                self._shown())
+            last = self.step if self.pipe.trainer.val_only else self.total_steps
+            log = MetricsLogger(self.pipe.trainer.logger, self.tb_dir, last, self.step, run, self.progress, self._shown())
             history: dict = {"steps": {}}
             try:
                 t = self.pipe.trainer
+                if t.val_only:  # the weights as given, or as the checkpoint left them (restored at the start)
+                    history["val_only"] = self.validate()
+                    log.log(self.step, history["val_only"], advance=False, generations=self._generations())
+                    return history
                 if self.val_data and t.val_before_train and self.step == 0:
                     history["val_before"] = self.validate()
                     log.log(0, history["val_before"], advance=False, generations=self._generations())

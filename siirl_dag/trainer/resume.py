@@ -30,7 +30,8 @@ class Resume:
         self.path = self._path()
         self.state = self._checked(self.path) if self.path else None
         self.step = self.state["step"] if self.state else 0
-        self._refuse_others_checkpoints()
+        if not pipe.trainer.val_only:  # a validation-only run saves nothing
+            self._refuse_others_checkpoints()
 
     @property
     def key(self) -> tuple:

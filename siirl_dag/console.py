@@ -18,6 +18,9 @@ from typing import Iterator, TextIO
 
 _terminal: TextIO | None = None  # the driver's terminal while it is quiet
 WARNING = re.compile(r"WARNING|Warning|\[W\d{4} |\]:W\d{4} ")  # Python, vLLM, Ray, torch's C++ warnings
+# a warning of the engine's own packages, as log_format writes it: its time, logger and message
+OWN_WARNING = re.compile(r"(\d\d:\d\d:\d\d) WARNING (?:siirl_dag|nodes)(?:\.[\w.]+)?: (.*)")
+SHOWN_CHARS = 400  # of the first such warning, on the console
 
 
 def quieted() -> bool:
@@ -83,10 +86,18 @@ def tail(path: str | Path, lines: int = 20) -> str:
         return ""
 
 
-def warnings_in(log_dir: Path) -> int:
-    """How many lines of the folder's logs are warnings."""
-    count = 0
-    for path in log_dir.glob("*.log"):
+def warnings_in(log_dir: Path) -> tuple[int, str | None]:
+    """How many lines of the folder's logs are warnings; and the earliest of the engine's own (a lost
+    agent episode's error, say: the libraries' many are not the user's to act on), with its file."""
+    count, own = 0, []
+    for path in sorted(log_dir.glob("*.log")):
         with open(path, errors="replace") as f:
-            count += sum(1 for line in f if WARNING.search(line))
-    return count
+            for number, line in enumerate(f):
+                if WARNING.search(line):
+                    count += 1
+                    if found := OWN_WARNING.search(line):
+                        own.append((found[1], path.name, number, found[2].strip()))
+    if not own:
+        return count, None
+    _, name, _, text = min(own)  # the earliest second; in it, a file's lines in their order
+    return count, f"{name}: {text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + ' ...'}"

@@ -65,12 +65,15 @@ def test_a_users_own_agent_trains_through_the_openai_graph(tmp_path, agent_task)
     """Two chat turns through the `openai` client, the reward left to the graph's reward node; a third of
     the prompts' episodes raise and are lost (their groups dropped), the run finishes; the trainer's
     log-probs over the rows are vLLM's. The console's line of each step shows the episodes lost, and the
-    run's closing line counts the rank's warnings about them."""
+    run's closing line counts the rank's warnings about them and shows the first."""
     res = run_cli(tmp_path, agent_task, "tiny_agent_openai_cpu", "nodes.agent.params.agent=agents_for_tests:raises_on_a_third",
                   "nodes.actor_update.params.rollout_is=token", "trainer.logger=[console,tensorboard]")
     steps = json.loads(res.stdout)["steps"]
     assert re.search(r"^step 1: .*agent/failed=[1-9]", res.stderr, re.M), res.stderr[-3000:]
     assert int(re.search(r"^\[run\] (\d+) warning line\(s\) in the logs", res.stderr, re.M).group(1)) >= 2 * 4
+    # and shows the first lost episode's error, where to read the rest
+    assert re.search(r"warning line\(s\) in the logs \(\S+/\); the engine's first: gen-rank0-\d+\.log: agent episode \d+ "
+                     r"\(prompt \d+\) lost, failed: RuntimeError: this agent fails on a third", res.stderr), res.stderr[-3000:]
     for step in steps.values():
         failed = step["agent/failed"]  # a lost episode made one turn, the others two
         assert 0 < failed < 128 and step["agent/turns/mean"] == 2 - failed / 128 and step["agent/segments/mean"] == 1

@@ -78,7 +78,9 @@ def main(args) -> int:
             return 1
         finally:
             if log_dir:
-                say(f"[run] {console.warnings_in(log_dir)} warning line(s) in the logs ({log_dir}/)")
+                count, first = console.warnings_in(log_dir)
+                say(f"[run] {count} warning line(s) in the logs ({log_dir}/)" +
+                    (f"; the engine's first: {first}" if first else ""))
         before, after, only = ({k: v for k, v in history.get(name, {}).items() if "val-core/" in k}
                                for name in ("val_before", "val_last", "val_only"))
         for key, value in sorted(only.items()):

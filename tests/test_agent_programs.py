@@ -151,10 +151,12 @@ def test_each_episode_has_a_scratch_directory_of_its_own_removed_when_it_ends(tm
     """TMPDIR: a new directory per episode (where `mktemp`, Python's tempfile put their files), gone after
     the episode, whether the program returned, failed or was late."""
     seen = []
-    for index, (script, status) in enumerate([("echo 1", "ok"), ("exit 3", "failed"), ("sleep 30", "timeout")]):
+    # time enough to start and return on a busy machine (two test workers on two cores), the late one to start
+    for index, (script, status, timeout_s) in enumerate([("echo 1", "ok", 20.0), ("exit 3", "failed", 20.0),
+                                                         ("sleep 30", "timeout", 5.0)]):
         where = tmp_path / f"where-{index}"
         outcome = run(f'echo $TMPDIR > {where}; [ "$TMUX_TMPDIR" = "$TMPDIR" ] || exit 9; mktemp > /dev/null; {script}', index,
-                      timeout_s=2.0)
+                      timeout_s=timeout_s)
         assert outcome.status == status
         scratch = where.read_text().strip()
         seen.append(scratch)

@@ -58,13 +58,13 @@ def main(args) -> int:
 
         console.log_format()
         trainer = Trainer(pipe, address=args.address, progress=say)
-        val_only = pipe.trainer.val_only
-        if trainer.resume.path and trainer.step >= trainer.total_steps and not val_only:
+        if trainer.finished:
             say(_finished(args, pipe, trainer))
             return 0
         log_dir = None if args.verbose else trainer.log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         weights = f"the weights of {trainer.resume.path}" if trainer.resume.path else "the models as given"
-        what = f"validation only ({len(trainer.val_data)} prompts, {weights})" if val_only else f"{trainer.total_steps} steps"
+        what = (f"validation only ({len(trainer.val_data)} prompts, {weights})" if pipe.trainer.val_only
+                else f"{trainer.total_steps} steps")
         say(f"[run] '{pipe.name}': {what}, {pipe.cluster.describe()}, runtime {pipe.runtime.backend}")
         if pipe.memory:  # the plan's estimate, beside which the run logs memory/<mesh>/peak_gb
             say("[run] " + "\n      ".join(pipe.memory.lines()))

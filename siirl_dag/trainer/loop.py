@@ -118,11 +118,17 @@ class Trainer:
                     problems += [p for p in exc.problems if p not in problems]
         return problems
 
+    @property
+    def finished(self) -> bool:
+        """The checkpoint the run resumes from is at its last step: nothing to train (a validation-only
+        run validates it all the same)."""
+        return bool(self.resume.path) and self.step >= self.total_steps and not self.pipe.trainer.val_only
+
     # -- the run --------------------------------------------------------------------------------
     def fit(self, log_dir: Path | None = None) -> dict:
         """Train to trainer.total_steps (trainer.val_only: validate once instead); `log_dir`: the folder
         every process of the run logs to (None: as is)."""
-        if self.resume.path and self.step >= self.total_steps and not self.pipe.trainer.val_only:
+        if self.finished:
             self.progress(f"[trainer] {self.resume.path} is at step {self.step} of {self.total_steps}: nothing to train. "
                           "Raise trainer.total_steps to continue, or start afresh with a new trainer.experiment_name.")
             return {"steps": {}}
